@@ -1,0 +1,23 @@
+"""The one exception type users see.
+
+Every message is one line that names the culprit and the way out; the CLI
+prints it and exits with status 2, never with a traceback.
+"""
+
+from __future__ import annotations
+
+
+class ShardsolveError(ValueError):
+    """Bad input or an impossible request, explained in one line."""
+
+
+class InfeasibleError(ShardsolveError):
+    """No plan satisfies the hard constraints (annotations, memory limit).
+
+    ``conflict`` lists the constraints, in the user's terms, that cannot hold
+    together (a minimal unsatisfiable core where one could be computed).
+    """
+
+    def __init__(self, message: str, conflict: tuple[str, ...] = ()):
+        super().__init__(message)
+        self.conflict = tuple(conflict)

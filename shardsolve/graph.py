@@ -1,0 +1,186 @@
+"""The program as a graph of values and operations.
+
+Built from the flat jaxpr of ``shardsolve.trace``: every jaxpr variable is a
+``Value`` (an input, a constant, or an operation's result), every equation an
+``Op`` whose operands are value ids or literals. Values and ops are numbered in
+program order, so op ``k`` runs at time ``k`` of the liveness model.
+
+    >>> import jax, jax.numpy as jnp
+    >>> from shardsolve.trace import trace
+    >>> g = Graph.from_traced(trace(lambda x, w: jnp.tanh(x @ w),
+    ...     jax.ShapeDtypeStruct((8, 4), jnp.float32), jax.ShapeDtypeStruct((4, 2), jnp.float32)))
+    >>> [op.primitive for op in g.ops], [g.values[v].name for v in g.inputs]
+    (['dot_general', 'tanh'], ['args[0]', 'args[1]'])
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import jax
+import numpy as np
+from jax.extend import core as jcore
+
+from shardsolve.rules.base import OpView
+from shardsolve.trace import Traced
+
+
+@dataclass(frozen=True, slots=True)
+class Value:
+    id: int
+    shape: tuple[int, ...]
+    dtype: Any  # numpy dtype
+    kind: str  # "input", "const" or "result"
+    producer: int | None = None  # op id for results
+    result_index: int = 0
+    position: int = 0  # input or const position
+    name: str = ""
+
+    @property
+    def itemsize(self) -> int:
+        return int(np.dtype(self.dtype).itemsize)
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * self.itemsize
+
+
+@dataclass(frozen=True, slots=True)
+class Lit:
+    """A literal operand (a scalar constant written into the equation)."""
+
+    value: Any
+
+
+@dataclass(frozen=True, slots=True)
+class Op:
+    id: int
+    primitive: str
+    inputs: tuple[int | Lit, ...]
+    outputs: tuple[int, ...]
+    eqn: Any = field(compare=False, repr=False)  # the JaxprEqn, for re-binding
+    source: str = ""  # name stack, e.g. "jvp(block_3)/attention"
+
+    @property
+    def params(self) -> dict:
+        return self.eqn.params
+
+    @property
+    def prim(self) -> Any:
+        return self.eqn.primitive
+
+    @property
+    def literal_operands(self) -> tuple[int, ...]:
+        return tuple(k for k, x in enumerate(self.inputs) if isinstance(x, Lit))
+
+    def name(self) -> str:
+        return f"%{self.id} {self.primitive}" + (f" [{self.source}]" if self.source else "")
+
+
+@dataclass
+class Graph:
+    values: list[Value]
+    ops: list[Op]
+    inputs: tuple[int, ...]  # value ids of the flattened arguments
+    consts: tuple[int, ...]  # value ids of the closed-over constants
+    const_values: tuple[Any, ...]
+    outputs: tuple[int | Lit, ...]  # value ids (or literals) of the flattened results
+    traced: Traced | None = None
+    consumers: dict[int, list[tuple[int, int]]] = field(default_factory=dict)  # value -> [(op, operand)]
+
+    @classmethod
+    def from_traced(cls, traced: Traced) -> Graph:
+        closed = traced.jaxpr
+        jaxpr = closed.jaxpr
+        values: list[Value] = []
+        ids: dict[Any, int] = {}
+
+        def new(var, **kw) -> int:
+            aval = var.aval
+            vid = len(values)
+            values.append(Value(vid, tuple(int(d) for d in aval.shape), np.dtype(aval.dtype), **kw))
+            ids[var] = vid
+            return vid
+
+        paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(
+            jax.tree_util.tree_unflatten(traced.in_tree, list(range(traced.in_tree.num_leaves)))
+        )[0]]
+        inputs = tuple(new(v, kind="input", position=k, name=f"args{paths[k]}") for k, v in enumerate(jaxpr.invars))
+        consts = tuple(new(v, kind="const", position=k, name=f"const[{k}]") for k, v in enumerate(jaxpr.constvars))
+        ops: list[Op] = []
+        for eqn in jaxpr.eqns:
+            operands = tuple(Lit(v.val) if isinstance(v, jcore.Literal) else ids[v] for v in eqn.invars)
+            op_id = len(ops)
+            outs = []
+            for r, var in enumerate(eqn.outvars):
+                if isinstance(var, jcore.DropVar):
+                    # Keep a value for dropped results so results stay positional.
+                    vid = len(values)
+                    values.append(Value(vid, tuple(int(d) for d in var.aval.shape), np.dtype(var.aval.dtype),
+                                        "result", op_id, r, name=f"%{op_id}.{r}"))
+                else:
+                    vid = new(var, kind="result", producer=op_id, result_index=r, name=f"%{op_id}.{r}" if len(eqn.outvars) > 1 else f"%{op_id}")
+                outs.append(vid)
+            source = str(eqn.source_info.name_stack) if eqn.source_info is not None else ""
+            ops.append(Op(op_id, eqn.primitive.name, operands, tuple(outs), eqn, source))
+        outputs = tuple(Lit(v.val) if isinstance(v, jcore.Literal) else ids[v] for v in jaxpr.outvars)
+        graph = cls(values, ops, inputs, consts, tuple(closed.consts), outputs, traced)
+        for op in ops:
+            for k, x in enumerate(op.inputs):
+                if not isinstance(x, Lit):
+                    graph.consumers.setdefault(x, []).append((op.id, k))
+        return graph
+
+    def view(self, op: Op) -> OpView:
+        """What a sharding rule sees of ``op``."""
+        ins = [self._aval(x) for x in op.inputs]
+        outs = [self.values[v] for v in op.outputs]
+        return OpView(
+            op.primitive,
+            op.params,
+            tuple(s for s, _ in ins),
+            tuple(v.shape for v in outs),
+            tuple(d for _, d in ins),
+            tuple(v.dtype for v in outs),
+            prim=op.prim,
+        )
+
+    def _aval(self, x: int | Lit) -> tuple[tuple[int, ...], Any]:
+        if isinstance(x, Lit):
+            arr = np.asarray(x.value)
+            return tuple(arr.shape), arr.dtype
+        v = self.values[x]
+        return v.shape, v.dtype
+
+    def to_networkx(self):
+        """A ``networkx.DiGraph`` of ops (nodes ``("op", k)``, ``("in", v)``, ``("const", v)``)."""
+        import networkx as nx
+
+        g = nx.DiGraph()
+        for v in self.inputs:
+            g.add_node(("in", v))
+        for v in self.consts:
+            g.add_node(("const", v))
+        for op in self.ops:
+            g.add_node(("op", op.id), primitive=op.primitive)
+            for x in op.inputs:
+                if isinstance(x, Lit):
+                    continue
+                src = self.values[x]
+                node = ("op", src.producer) if src.kind == "result" else (("in" if src.kind == "input" else "const"), x)
+                g.add_edge(node, ("op", op.id), value=x)
+        return g
+
+    def last_use(self) -> dict[int, int]:
+        """For each value, the id of the last op that reads it (outputs count as read at the end)."""
+        out: dict[int, int] = {}
+        for op in self.ops:
+            for x in op.inputs:
+                if not isinstance(x, Lit):
+                    out[x] = op.id
+        end = len(self.ops)
+        for x in self.outputs:
+            if not isinstance(x, Lit):
+                out[x] = end
+        return out

@@ -1,0 +1,360 @@
+"""A plan: the sharding of every value, the collectives it implies, and what it costs.
+
+A ``Plan`` is data (versioned JSON, never pickled code). It keeps the traced
+program beside it while it lives in memory, so ``plan.jit()`` and
+``shardsolve.lower(plan)`` can run it; a plan loaded from disk is bound to a
+function again with ``load_plan(path, fun, *args)`` (or ``plan.bind``), which
+checks that the function's signature matches the file.
+
+    plan = shardsolve.plan(step, params, batch, mesh="data=2,model=4",
+                           in_shardings=(None, P("data")))
+    plan.in_shardings   # NamedSharding pytree for jax.jit
+    plan.cost.total     # estimated seconds per step
+    plan.save("plan.json")
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from shardsolve.errors import ShardsolveError
+from shardsolve.mesh import MeshAxis, MeshSpec
+from shardsolve.sharding import Sharding
+
+PLAN_FORMAT = "shardsolve-plan"
+PLAN_VERSION = 1
+
+
+@dataclass(frozen=True, slots=True)
+class PredictedCollective:
+    """One collective the plan implies: which value, between which shardings, demanded by whom."""
+
+    kind: str
+    axes: tuple[str, ...]
+    bytes: int
+    time: float
+    value: int  # value id
+    value_name: str
+    src: Sharding  # the value's sharding before this collective
+    dst: Sharding  # ... and after it
+    producer: str  # the operation (or argument) that made the value
+    consumer: str  # the operation (or output) that demanded the target sharding
+    target: Sharding  # the sharding the consumer demanded
+
+    def to_json(self) -> dict:
+        return {
+            "kind": self.kind,
+            "axes": list(self.axes),
+            "bytes": self.bytes,
+            "time": self.time,
+            "value": self.value,
+            "value_name": self.value_name,
+            "src": self.src.to_json(),
+            "dst": self.dst.to_json(),
+            "producer": self.producer,
+            "consumer": self.consumer,
+            "target": self.target.to_json(),
+        }
+
+    @classmethod
+    def from_json(cls, d: dict) -> PredictedCollective:
+        return cls(
+            d["kind"], tuple(d["axes"]), int(d["bytes"]), float(d["time"]), int(d["value"]), d["value_name"],
+            Sharding.from_json(d["src"]), Sharding.from_json(d["dst"]), d["producer"], d["consumer"],
+            Sharding.from_json(d["target"]),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Cost:
+    """Step-time estimate (seconds) with its parts, and memory per device (bytes)."""
+
+    total: float
+    compute: float
+    communication: float
+    peak_memory: float
+    objective: float  # the solver's objective (counts a reshard once per consumer edge)
+    bytes_by_kind: tuple[tuple[str, int], ...] = ()
+
+    def to_json(self) -> dict:
+        return {
+            "total": self.total,
+            "compute": self.compute,
+            "communication": self.communication,
+            "peak_memory": self.peak_memory,
+            "objective": self.objective,
+            "bytes_by_kind": dict(self.bytes_by_kind),
+        }
+
+    @classmethod
+    def from_json(cls, d: dict) -> Cost:
+        return cls(d["total"], d["compute"], d["communication"], d["peak_memory"], d["objective"],
+                   tuple(sorted(d.get("bytes_by_kind", {}).items())))
+
+
+@dataclass(frozen=True, slots=True)
+class OpPlan:
+    """How one operation runs: the shardings its strategy reads and writes."""
+
+    primitive: str
+    operands: tuple[Sharding, ...]
+    results: tuple[Sharding, ...]
+    strategy: str
+    fallback: bool = False
+
+    def to_json(self) -> dict:
+        d = {
+            "primitive": self.primitive,
+            "operands": [s.to_json() for s in self.operands],
+            "results": [s.to_json() for s in self.results],
+            "strategy": self.strategy,
+        }
+        if self.fallback:
+            d["fallback"] = True
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict) -> OpPlan:
+        return cls(
+            d["primitive"],
+            tuple(Sharding.from_json(s) for s in d["operands"]),
+            tuple(Sharding.from_json(s) for s in d["results"]),
+            d["strategy"],
+            bool(d.get("fallback", False)),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Signature:
+    """Shapes and dtypes of the flattened arguments and outputs, and the pytree structures."""
+
+    in_avals: tuple[tuple[tuple[int, ...], str], ...]
+    out_avals: tuple[tuple[tuple[int, ...], str], ...]
+    in_tree: str
+    out_tree: str
+
+    @classmethod
+    def of(cls, traced) -> Signature:
+        return cls(
+            tuple((tuple(a.shape), str(a.dtype)) for a in traced.in_avals),
+            tuple((tuple(a.shape), str(a.dtype)) for a in traced.out_avals),
+            str(traced.in_tree),
+            str(traced.out_tree),
+        )
+
+    def to_json(self) -> dict:
+        return {
+            "in_avals": [[list(s), d] for s, d in self.in_avals],
+            "out_avals": [[list(s), d] for s, d in self.out_avals],
+            "in_tree": self.in_tree,
+            "out_tree": self.out_tree,
+        }
+
+    @classmethod
+    def from_json(cls, d: dict) -> Signature:
+        return cls(
+            tuple((tuple(s), t) for s, t in d["in_avals"]),
+            tuple((tuple(s), t) for s, t in d["out_avals"]),
+            d["in_tree"],
+            d["out_tree"],
+        )
+
+    def mismatch(self, other: Signature) -> str | None:
+        """A one-line description of how ``other`` differs, or None."""
+        if len(self.in_avals) != len(other.in_avals):
+            return f"the plan has {len(self.in_avals)} argument leaves, the function {len(other.in_avals)}"
+        for k, (a, b) in enumerate(zip(self.in_avals, other.in_avals)):
+            if a != b:
+                return f"argument leaf {k} is {b[1]}{list(b[0])} but the plan was made for {a[1]}{list(a[0])}"
+        if self.in_tree != other.in_tree:
+            return "the arguments' pytree structure differs from the plan's"
+        if self.out_avals != other.out_avals:
+            return "the function's outputs differ from the plan's"
+        return None
+
+
+@dataclass(frozen=True)
+class Plan:
+    mesh: MeshSpec
+    signature: Signature
+    inputs: tuple[Sharding, ...]  # per flattened argument
+    outputs: tuple[Sharding, ...]  # per flattened output
+    ops: tuple[OpPlan, ...]  # per operation of the flat jaxpr, in program order
+    collectives: tuple[PredictedCollective, ...]
+    cost: Cost
+    status: str  # "optimal" or "feasible"
+    gap: float
+    lower_bound: float
+    solve_time: float
+    fallbacks: tuple[tuple[str, int], ...] = ()  # primitive -> number of ops that fell back
+    stats: tuple[tuple[str, Any], ...] = ()
+    source: str = ""  # e.g. "models/gpt2.py:gpt2 --size small", for the CLI
+    # Not serialised: the live program.
+    fun: Callable | None = field(default=None, compare=False, repr=False)
+    graph: Any = field(default=None, compare=False, repr=False)
+
+    # -- export -------------------------------------------------------------
+
+    @property
+    def in_shardings(self) -> Any:
+        """Pytree of ``NamedSharding`` matching the arguments (a tuple, one entry per argument)."""
+        from shardsolve.export import named_tree
+
+        return named_tree(self, self.inputs, "in")
+
+    @property
+    def out_shardings(self) -> Any:
+        """Pytree of ``NamedSharding`` matching the outputs."""
+        from shardsolve.export import named_tree
+
+        return named_tree(self, self.outputs, "out")
+
+    def jit(self, **jit_kwargs) -> Callable:
+        """``jax.jit`` of the function with the plan's in/out shardings and every intermediate pinned."""
+        from shardsolve.export import plan_jit
+
+        return plan_jit(self, **jit_kwargs)
+
+    def bind(self, fun: Callable, *args: Any) -> Plan:
+        """Attach a function to a loaded plan, checking its signature against the plan's."""
+        from shardsolve.graph import Graph
+        from shardsolve.trace import trace
+
+        traced = trace(fun, *args)
+        problem = self.signature.mismatch(Signature.of(traced))
+        if problem:
+            raise ShardsolveError(f"this plan was made for a different function: {problem}; plan it again")
+        graph = Graph.from_traced(traced)
+        if len(graph.ops) != len(self.ops) or any(o.primitive != p.primitive for o, p in zip(graph.ops, self.ops)):
+            raise ShardsolveError(
+                "this plan was made for a different function: its operations differ; plan it again"
+            )
+        return _replace(self, fun=fun, graph=graph)
+
+    @property
+    def fallback_count(self) -> int:
+        return sum(n for _, n in self.fallbacks)
+
+    # -- JSON ---------------------------------------------------------------
+
+    def to_json(self) -> dict:
+        import shardsolve
+
+        return {
+            "format": PLAN_FORMAT,
+            "version": PLAN_VERSION,
+            "shardsolve": shardsolve.__version__,
+            "source": self.source,
+            "mesh": {
+                "axes": [
+                    {"name": a.name, "size": a.size, "bandwidth": a.bandwidth, "latency": a.latency}
+                    for a in self.mesh.axes
+                ],
+                "peak_flops": self.mesh.peak_flops,
+                "hbm_bandwidth": self.mesh.hbm_bandwidth,
+            },
+            "signature": self.signature.to_json(),
+            "status": self.status,
+            "gap": self.gap,
+            "lower_bound": self.lower_bound,
+            "solve_time": self.solve_time,
+            "cost": self.cost.to_json(),
+            "inputs": [s.to_json() for s in self.inputs],
+            "outputs": [s.to_json() for s in self.outputs],
+            "ops": [o.to_json() for o in self.ops],
+            "collectives": [c.to_json() for c in self.collectives],
+            "fallbacks": dict(self.fallbacks),
+            "stats": {k: v for k, v in self.stats},
+        }
+
+    @classmethod
+    def from_json(cls, d: dict, *, where: str = "plan") -> Plan:
+        import shardsolve
+
+        if not isinstance(d, dict) or d.get("format") != PLAN_FORMAT:
+            raise ShardsolveError(f"{where} is not a shardsolve plan file (no 'format': '{PLAN_FORMAT}')")
+        if d.get("version") != PLAN_VERSION:
+            raise ShardsolveError(
+                f"{where} has plan format version {d.get('version')} (written by shardsolve "
+                f"{d.get('shardsolve', '?')}); this is shardsolve {shardsolve.__version__}, which reads version "
+                f"{PLAN_VERSION}: plan the model again"
+            )
+        try:
+            m = d["mesh"]
+            mesh = MeshSpec(
+                tuple(MeshAxis(a["name"], int(a["size"]), float(a["bandwidth"]), float(a["latency"])) for a in m["axes"]),
+                peak_flops=float(m["peak_flops"]),
+                hbm_bandwidth=float(m["hbm_bandwidth"]),
+            )
+            return cls(
+                mesh=mesh,
+                signature=Signature.from_json(d["signature"]),
+                inputs=tuple(Sharding.from_json(s) for s in d["inputs"]),
+                outputs=tuple(Sharding.from_json(s) for s in d["outputs"]),
+                ops=tuple(OpPlan.from_json(o) for o in d["ops"]),
+                collectives=tuple(PredictedCollective.from_json(c) for c in d["collectives"]),
+                cost=Cost.from_json(d["cost"]),
+                status=d["status"],
+                gap=float(d["gap"]),
+                lower_bound=float(d["lower_bound"]),
+                solve_time=float(d["solve_time"]),
+                fallbacks=tuple(sorted(d.get("fallbacks", {}).items())),
+                stats=tuple(sorted(d.get("stats", {}).items())),
+                source=d.get("source", ""),
+            )
+        except (KeyError, TypeError, ValueError) as e:
+            if isinstance(e, ShardsolveError):
+                raise
+            raise ShardsolveError(f"{where} is malformed ({type(e).__name__}: {e}); plan the model again") from None
+
+    def dumps(self) -> str:
+        return json.dumps(self.to_json(), indent=1, sort_keys=True)
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Write the plan as JSON, atomically (no half-written file on failure)."""
+        path = Path(path)
+        text = self.dumps()
+        directory = path.parent if str(path.parent) else Path(".")
+        if not directory.is_dir():
+            raise ShardsolveError(f"cannot write {path}: directory {directory} does not exist")
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=directory)
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(text + "\n")
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+
+
+def _replace(plan: Plan, **changes) -> Plan:
+    import dataclasses
+
+    return dataclasses.replace(plan, **changes)
+
+
+def load_plan(path: str | os.PathLike, fun: Callable | None = None, *args: Any) -> Plan:
+    """Read a plan file; with ``fun`` and example ``args``, bind it to that function (signature checked)."""
+    path = Path(path)
+    if not path.is_file():
+        raise ShardsolveError(f"plan file {path} does not exist; write one with `shardsolve plan ... -o {path}`")
+    try:
+        data = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ShardsolveError(f"{path} is not valid JSON ({e}); plan the model again") from None
+    plan = Plan.from_json(data, where=str(path))
+    if fun is not None:
+        plan = plan.bind(fun, *args)
+    return plan
+
+
+def tree_of(plan: Plan, which: str) -> Any:
+    """The live pytree structure of the plan's arguments or outputs (needs a bound plan)."""
+    if plan.graph is None or plan.graph.traced is None:
+        return None
+    return plan.graph.traced.in_tree if which == "in" else plan.graph.traced.out_tree

@@ -1,0 +1,185 @@
+"""Shardings of one value: which mesh axes split which dimension, and which are partial.
+
+A ``Sharding`` gives, per tensor dimension, the mesh axes that split it (major
+to minor, like one entry of a ``PartitionSpec``), plus a set of *partial* axes:
+along a partial axis each device holds a summand (or a max/min candidate) of
+the true value, and a reduction over that axis is still pending.
+
+    >>> from shardsolve.mesh import MeshSpec
+    >>> mesh = MeshSpec.parse("data=2,model=4")
+    >>> s = Sharding((("data",), ()), partial=("model",))
+    >>> str(s)
+    '[{data}, {}] partial{model}'
+    >>> s.local_shape((8, 16), mesh)
+    (4, 16)
+    >>> [str(c) for c in candidate_shardings((8, 3), mesh)]
+    ['[{}, {}]', '[{data}, {}]', '[{model}, {}]', '[{data, model}, {}]']
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+from typing import Any, Iterator, Sequence
+
+from shardsolve.errors import ShardsolveError
+from shardsolve.mesh import MeshSpec
+
+REDUCE_OPS = ("sum", "max", "min")
+
+
+@dataclass(frozen=True, slots=True, order=True)
+class Sharding:
+    dims: tuple[tuple[str, ...], ...]
+    partial: tuple[str, ...] = ()
+    reduce_op: str = "sum"  # how partial summands combine
+
+    # -- construction -----------------------------------------------------
+
+    @classmethod
+    def replicated(cls, ndim: int) -> Sharding:
+        return cls(((),) * ndim)
+
+    @classmethod
+    def from_spec(cls, spec: Any, ndim: int, mesh: MeshSpec | None = None, *, what: str = "value") -> Sharding:
+        """Convert a ``PartitionSpec`` (or ``None`` = replicated) to a ``Sharding``.
+
+        Checks axis names against ``mesh`` and that no axis is used twice.
+        """
+        if spec is None:
+            return cls.replicated(ndim)
+        entries = tuple(spec)
+        if len(entries) > ndim:
+            raise ShardsolveError(
+                f"{what}: PartitionSpec {spec} has {len(entries)} entries but the value has rank {ndim}; "
+                f"give at most {ndim}"
+            )
+        dims: list[tuple[str, ...]] = []
+        seen: set[str] = set()
+        for entry in entries + (None,) * (ndim - len(entries)):
+            if entry is None:
+                axes: tuple[str, ...] = ()
+            elif isinstance(entry, str):
+                axes = (entry,)
+            else:
+                axes = tuple(entry)
+            for a in axes:
+                if not isinstance(a, str):
+                    raise ShardsolveError(f"{what}: PartitionSpec {spec} has a non-string axis {a!r}")
+                if mesh is not None and a not in mesh.names:
+                    raise ShardsolveError(
+                        f"{what}: PartitionSpec {spec} names unknown mesh axis {a!r}; mesh axes are {mesh.names}"
+                    )
+                if a in seen:
+                    raise ShardsolveError(f"{what}: PartitionSpec {spec} uses mesh axis {a!r} twice; use each axis once")
+                seen.add(a)
+            dims.append(axes)
+        return cls(tuple(dims))
+
+    # -- queries ----------------------------------------------------------
+
+    @property
+    def ndim(self) -> int:
+        return len(self.dims)
+
+    @property
+    def axes(self) -> tuple[str, ...]:
+        """Mesh axes that split some dimension."""
+        return tuple(a for d in self.dims for a in d)
+
+    @property
+    def is_replicated(self) -> bool:
+        return not self.axes and not self.partial
+
+    def dim_shards(self, dim: int, mesh: MeshSpec) -> int:
+        return math.prod(mesh.axis(a).size for a in self.dims[dim])
+
+    def num_shards(self, mesh: MeshSpec) -> int:
+        """Number of distinct pieces the value is split into (partial axes excluded)."""
+        return math.prod(mesh.axis(a).size for a in self.axes)
+
+    def divides(self, shape: Sequence[int], mesh: MeshSpec) -> bool:
+        return all(size % self.dim_shards(d, mesh) == 0 for d, size in enumerate(shape))
+
+    def local_shape(self, shape: Sequence[int], mesh: MeshSpec) -> tuple[int, ...]:
+        """Per-device shape (dimensions padded up where the split is uneven)."""
+        return tuple(-(-size // self.dim_shards(d, mesh)) for d, size in enumerate(shape))
+
+    def local_bytes(self, shape: Sequence[int], itemsize: int, mesh: MeshSpec) -> int:
+        return math.prod(self.local_shape(shape, mesh)) * itemsize
+
+    def without_partial(self) -> Sharding:
+        return Sharding(self.dims)
+
+    def with_partial(self, axes: Sequence[str], reduce_op: str = "sum") -> Sharding:
+        return Sharding(self.dims, tuple(sorted(set(axes))), reduce_op if axes else "sum")
+
+    def to_spec(self):
+        """The ``PartitionSpec`` of this sharding (partial axes are not expressible there)."""
+        from jax.sharding import PartitionSpec
+
+        if self.partial:
+            raise ShardsolveError(f"sharding {self} is partial and has no PartitionSpec; reduce it first")
+        entries: list[Any] = [None if not d else (d[0] if len(d) == 1 else d) for d in self.dims]
+        while entries and entries[-1] is None:
+            entries.pop()
+        return PartitionSpec(*entries)
+
+    def __str__(self) -> str:
+        body = "[" + ", ".join("{" + ", ".join(d) + "}" for d in self.dims) + "]"
+        if self.partial:
+            op = "" if self.reduce_op == "sum" else f"({self.reduce_op})"
+            body += f" partial{op}{{{', '.join(self.partial)}}}"
+        return body
+
+    def to_json(self) -> dict:
+        out: dict = {"dims": [list(d) for d in self.dims]}
+        if self.partial:
+            out["partial"] = list(self.partial)
+            out["reduce_op"] = self.reduce_op
+        return out
+
+    @classmethod
+    def from_json(cls, data: dict) -> Sharding:
+        return cls(
+            tuple(tuple(d) for d in data["dims"]),
+            tuple(data.get("partial", ())),
+            data.get("reduce_op", "sum"),
+        )
+
+
+def _dim_assignments(shape: Sequence[int], mesh: MeshSpec, allow_uneven: bool) -> Iterator[tuple[tuple[str, ...], ...]]:
+    axes = [a for a in mesh.axes if a.size > 1]
+    ndim = len(shape)
+    # Each axis goes to one dimension or to none (index ndim); axes on one
+    # dimension keep mesh order (major to minor).
+    for choice in itertools.product(range(ndim + 1), repeat=len(axes)):
+        dims: list[list[str]] = [[] for _ in range(ndim)]
+        for axis, d in zip(axes, choice):
+            if d < ndim:
+                dims[d].append(axis.name)
+        ok = True
+        for d, names in enumerate(dims):
+            n = math.prod(mesh.axis(a).size for a in names)
+            if n > 1 and (shape[d] % n != 0 if not allow_uneven else shape[d] < n):
+                ok = False
+                break
+        if ok:
+            yield tuple(tuple(d) for d in dims)
+
+
+def candidate_shardings(shape: Sequence[int], mesh: MeshSpec, *, allow_uneven: bool = False) -> list[Sharding]:
+    """Every non-partial sharding of ``shape`` on ``mesh`` that splits dimensions evenly.
+
+    Size-1 mesh axes are never used; several axes on one dimension keep mesh
+    order. The replicated sharding comes first; the order is deterministic.
+    """
+    out = [Sharding(d) for d in _dim_assignments(tuple(shape), mesh, allow_uneven)]
+    out.sort(key=lambda s: (len(s.axes), _mesh_rank(s, mesh)))
+    return out
+
+
+def _mesh_rank(s: Sharding, mesh: MeshSpec) -> tuple:
+    pos = {n: i for i, n in enumerate(mesh.names)}
+    return tuple((pos[a], d) for d, axes in enumerate(s.dims) for a in axes)
