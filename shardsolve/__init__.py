@@ -11,6 +11,7 @@
 See README.md for the pipeline and the command-line tool.
 """
 
+from shardsolve.compare import Comparison, compare
 from shardsolve.errors import InfeasibleError, ShardsolveError
 from shardsolve.mesh import MeshAxis, MeshSpec
 from shardsolve.model import Model, load_model
@@ -24,6 +25,7 @@ from shardsolve.planner import plan  # noqa: E402
 __version__ = "0.1.0"
 
 __all__ = [
+    "Comparison",
     "Cost",
     "InfeasibleError",
     "MeshAxis",
@@ -35,6 +37,7 @@ __all__ = [
     "Sharding",
     "ShardsolveError",
     "__version__",
+    "compare",
     "load_model",
     "load_plan",
     "plan",

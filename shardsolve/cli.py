@@ -15,9 +15,10 @@ import sys
 from typing import Sequence
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
-from shardsolve.errors import InfeasibleError, ShardsolveError
+from shardsolve.errors import ShardsolveError
 
 
 def _console(stderr: bool = False) -> Console:
@@ -57,6 +58,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
             out_shardings=out_sh,
             memory_limit=args.memory_limit,
             time_limit=args.time_limit,
+            carry=model.carry,
             progress=lambda message: status.update(message),
             source=f"{args.model} --size {args.size} --annotations {args.annotations}",
         )
@@ -171,11 +173,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     try:
         return int(args.func(args) or 0)
-    except InfeasibleError as e:
-        _console(stderr=True).print(f"[red]error:[/red] {e}")
-        return 2
-    except ShardsolveError as e:
-        _console(stderr=True).print(f"[red]error:[/red] {e}")
+    except ShardsolveError as e:  # InfeasibleError included
+        _console(stderr=True).print(f"[red]error:[/red] {escape(str(e))}", soft_wrap=True)
         return 2
     except KeyboardInterrupt:
         _console(stderr=True).print("[red]interrupted[/red]")

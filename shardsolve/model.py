@@ -34,6 +34,8 @@ class Model:
 
     ``in_shardings``/``out_shardings`` are pytree prefixes of the arguments /
     outputs whose leaves are ``PartitionSpec`` (pinned) or ``None`` (free).
+    ``carry`` pairs (argument index, output index) whose shardings must agree,
+    e.g. ``((0, 0),)`` for ``step(params, batch) -> (new_params, loss)``.
     ``expert_in_shardings`` optionally holds a hand-written (e.g. Megatron-style)
     annotation of every argument, used by benchmarks as a reference plan.
     """
@@ -47,6 +49,7 @@ class Model:
     expert_in_shardings: Any = None
     expert_out_shardings: Any = None
     mesh_axes: tuple[str, ...] = field(default=())  # axis names the annotations use
+    carry: tuple[tuple[int, int], ...] = ()  # (argument, output) pairs: state carried round a loop
 
 
 def load_model(spec: str, size: str = "small") -> Model:

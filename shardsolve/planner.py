@@ -125,8 +125,14 @@ def build_problem(
     in_pins: Sequence[tuple[Sharding | None, str]],
     out_pins: Sequence[tuple[Sharding | None, str]],
     memory_limit: float | None = None,
+    ties: Sequence[tuple[int, int]] = (),
 ) -> Built:
-    """Turn ``graph`` into a ``Problem``; ``in_pins``/``out_pins`` hold (sharding or None, label) per leaf."""
+    """Turn ``graph`` into a ``Problem``.
+
+    ``in_pins``/``out_pins`` hold (sharding or None, label) per flattened
+    argument/output; ``ties`` are (argument leaf, output leaf) pairs that must
+    get the same sharding (a training step's state going round the loop).
+    """
     from shardsolve.rules import fallback_rule, rule_for
 
     values = graph.values
@@ -218,6 +224,13 @@ def build_problem(
             pins.append(Pin(idx, (cands.index(pinned),), label))
         src_idx, src_shardings = produced[x]
         edges[(src_idx, idx)] = _reshard_table(value, src_shardings, list(cands), mesh)
+
+    for arg_leaf, out_leaf in ties:
+        if out_leaf not in output_node:
+            continue
+        u, v = value_node[graph.inputs[arg_leaf]], output_node[out_leaf]
+        same = np.array([[0.0 if a == b else FORBIDDEN for b in infos[v].shardings] for a in infos[u].shardings])
+        edges[(u, v)] = edges[(u, v)] + same if (u, v) in edges else same
 
     problem = Problem(
         tuple(nodes),
@@ -409,11 +422,21 @@ def plan(
     out_shardings: Any = None,
     memory_limit: Any = None,
     time_limit: float | None = None,
+    carry: Sequence[tuple[int, int]] = (),
     seed: int = 0,
     progress: Callable[[str], None] | None = None,
     source: str = "",
 ):
-    """Plan the sharding of ``fun(*args)`` on ``mesh``. See ``shardsolve.plan.Plan``."""
+    """Plan the sharding of ``fun(*args)`` on ``mesh``; returns a ``shardsolve.Plan``.
+
+    ``in_shardings``/``out_shardings`` are pytree prefixes of the arguments /
+    outputs with ``PartitionSpec`` (pinned) or ``None`` (free) leaves.
+    ``memory_limit`` is bytes per device (or a string like ``"16GiB"``),
+    ``time_limit`` the solver's seconds. ``carry`` lists (argument index,
+    output index) pairs whose leaves must share shardings: the output is the
+    next value of the argument, as a training step's parameters are.
+    ``progress`` receives one-line status messages.
+    """
     from shardsolve.encodings import explain_infeasible, solve
     from shardsolve.errors import InfeasibleError
     from shardsolve.mesh import as_mesh_spec
@@ -443,8 +466,9 @@ def plan(
         label = f"out_shardings{out_paths[k]}"
         s = _to_sharding(ann, shape, mesh_spec, label)
         out_pins.append((s, f"{label} = {s.to_spec()}" if s is not None else label))
+    ties = carry_pairs(traced, carry)
     say(f"building the problem ({len(graph.ops)} operations)")
-    built = build_problem(graph, mesh_spec, in_pins, out_pins, limit)
+    built = build_problem(graph, mesh_spec, in_pins, out_pins, limit, ties)
     say(f"solving ({len(built.problem.nodes)} nodes, {built.problem.num_strategies} strategies)")
     solution = solve(built.problem, time_limit=time_limit, seed=seed,
                      progress=(lambda msg, best, bound: say(f"solving: {msg}")) if progress else None)
@@ -461,3 +485,43 @@ def plan(
         )
     say("done")
     return to_plan(graph, built, solution, mesh_spec, fun, source)
+
+
+def _leaf_ranges(tree_def: Any) -> list[tuple[int, int]] | None:
+    """Leaf index range of each top-level child of a tuple/list pytree."""
+    dummy = jax.tree_util.tree_unflatten(tree_def, list(range(tree_def.num_leaves)))
+    if not isinstance(dummy, (tuple, list)):
+        return None
+    out, start = [], 0
+    for child in dummy:
+        n = len(jax.tree_util.tree_leaves(child))
+        out.append((start, start + n))
+        start += n
+    return out
+
+
+def carry_pairs(traced: Any, carry: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Expand (argument index, output index) pairs to (argument leaf, output leaf) pairs."""
+    pairs: list[tuple[int, int]] = []
+    if not carry:
+        return pairs
+    args = _leaf_ranges(traced.in_tree)
+    outs = _leaf_ranges(traced.out_tree) or [(0, traced.out_tree.num_leaves)]
+    dummy_in = jax.tree_util.tree_unflatten(traced.in_tree, [0] * traced.in_tree.num_leaves)
+    dummy_out = jax.tree_util.tree_unflatten(traced.out_tree, [0] * traced.out_tree.num_leaves)
+    for a, o in carry:
+        if not (0 <= a < len(args)) or not (0 <= o < len(outs)):
+            raise ShardsolveError(
+                f"carry pair ({a}, {o}) is out of range: {len(args)} arguments, {len(outs)} outputs"
+            )
+        out_sub = dummy_out[o] if isinstance(dummy_out, (tuple, list)) else dummy_out
+        if jax.tree_util.tree_structure(dummy_in[a]) != jax.tree_util.tree_structure(out_sub):
+            raise ShardsolveError(
+                f"carry pair ({a}, {o}): argument {a} and output {o} have different pytree structures"
+            )
+        (a0, a1), (o0, o1) = args[a], outs[o]
+        for k in range(a1 - a0):
+            if tuple(traced.in_avals[a0 + k].shape) != tuple(traced.out_avals[o0 + k].shape):
+                raise ShardsolveError(f"carry pair ({a}, {o}): leaf {k} changes shape between argument and output")
+            pairs.append((a0 + k, o0 + k))
+    return pairs

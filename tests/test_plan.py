@@ -56,10 +56,14 @@ def test_mlp_plan_respects_annotations_and_matches_numerics():
 def test_plan_accepts_shape_dtype_structs_without_allocating():
     big = {"w1": jax.ShapeDtypeStruct((8192, 32768), jnp.float32), "w2": jax.ShapeDtypeStruct((32768, 8192), jnp.float32)}
     x = jax.ShapeDtypeStruct((1024, 8192), jnp.float32)
-    plan = shardsolve.plan(_mlp_step, big, x, mesh="data=2,model=4", in_shardings=(None, P("data")), time_limit=20)
+    plan = shardsolve.plan(
+        _mlp_step, big, x, mesh="data=2,model=4", in_shardings=(None, P("data")), carry=((0, 0),),
+        memory_limit="1GiB", time_limit=20,
+    )
     assert plan.inputs[2] == Sharding.from_spec(P("data"), 2)
-    # A 2 GiB model planned without allocating it: every weight is split somewhere.
+    # 2 GiB of weights planned without allocating them; under 1 GiB per device every weight is split.
     assert all(s.axes for s in plan.inputs[:2])
+    assert plan.cost.peak_memory <= 2**30
 
 
 def test_no_annotations_tiny_program_is_not_all_replicated():
@@ -215,3 +219,15 @@ def test_random_programs_match_numerics(program):
     if x_spec is not None:
         assert plan.inputs[0] == Sharding.from_spec(x_spec, 2)
     _close(plan.jit()(x, ws), f(x, ws))
+
+
+def test_carry_ties_state_to_its_next_value():
+    params, x = _mlp_args()
+    plan = shardsolve.plan(
+        _mlp_step, params, x, mesh="data=2,model=4", in_shardings=(None, P("data")), carry=((0, 0),)
+    )
+    n = len(jax.tree_util.tree_leaves(params))
+    assert plan.inputs[:n] == plan.outputs[:n]
+    _close(plan.jit()(params, x), _mlp_step(params, x))
+    with pytest.raises(ShardsolveError, match="different pytree structures"):
+        shardsolve.plan(_mlp_step, params, x, mesh="data=2,model=4", carry=((1, 0),))

@@ -1,0 +1,54 @@
+"""The command-line tool: plans, help, and one-line errors with exit status 2."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from shardsolve.cli import main
+
+
+def _run(capsys, *argv):
+    code = main(list(argv))
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def test_plan_command_writes_a_plan(capsys, tmp_path, models_dir):
+    out = tmp_path / "plan.json"
+    code, stdout, _ = _run(capsys, "plan", f"{models_dir}/mlp.py:mlp", "--mesh", "data=2,model=4", "-o", str(out))
+    assert code == 0, stdout
+    assert "step time" in stdout and "args" in stdout
+    data = json.loads(out.read_text())
+    assert data["format"] == "shardsolve-plan" and data["mesh"]["axes"][0]["name"] == "data"
+    assert data["source"].startswith(f"{models_dir}/mlp.py:mlp")
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["plan", "nope.py", "--mesh", "data=2"], "does not exist"),
+        (["plan", "{models}/mlp.py:nothing", "--mesh", "data=2,model=4"], "has no model named 'nothing'"),
+        (["plan", "{models}/mlp.py", "--mesh", "data=2,,model"], "cannot parse mesh axis"),
+        (["plan", "{models}/mlp.py", "--mesh", "data=2,model=4", "--memory-limit", "1KiB"], "no plan satisfies"),
+        (["plan", "{models}/mlp.py", "--mesh", "batch=8"], "unknown mesh axis 'data'"),
+    ],
+)
+def test_bad_input_exits_2_without_traceback_or_file(capsys, tmp_path, models_dir, argv, message):
+    out = tmp_path / "plan.json"
+    argv = [a.replace("{models}", str(models_dir)) for a in argv] + ["-o", str(out)]
+    code, stdout, stderr = _run(capsys, *argv)
+    assert code == 2
+    assert message in stderr
+    assert "Traceback" not in stderr + stdout
+    assert len(stderr.strip().splitlines()) == 1
+    assert not out.exists() and not list(tmp_path.iterdir())
+
+
+def test_help_and_no_command(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["--help"])
+    assert info.value.code == 0
+    assert "plan" in capsys.readouterr().out
+    assert main([]) == 2
