@@ -39,7 +39,7 @@ class Value:
 
     @property
     def itemsize(self) -> int:
-        return int(np.dtype(self.dtype).itemsize)
+        return self.dtype.itemsize
 
     @property
     def nbytes(self) -> int:

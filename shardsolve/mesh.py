@@ -52,6 +52,8 @@ class MeshSpec:
     peak_flops: float = DEFAULT_PEAK_FLOPS
     hbm_bandwidth: float = DEFAULT_HBM_BANDWIDTH
     _index: Mapping[str, MeshAxis] = field(default=None, compare=False, repr=False)  # type: ignore[assignment]
+    _names: tuple[str, ...] = field(default=(), compare=False, repr=False)
+    _sizes: Mapping[str, int] = field(default=None, compare=False, repr=False)  # type: ignore[assignment]
 
     def __post_init__(self) -> None:
         if not self.axes:
@@ -70,6 +72,8 @@ class MeshSpec:
                 raise ShardsolveError(f"mesh axis {axis.name!r} needs bandwidth > 0 and latency >= 0")
             seen.add(axis.name)
         object.__setattr__(self, "_index", {a.name: a for a in self.axes})
+        object.__setattr__(self, "_names", tuple(a.name for a in self.axes))
+        object.__setattr__(self, "_sizes", {a.name: a.size for a in self.axes})
 
     # -- construction -----------------------------------------------------
 
@@ -133,7 +137,7 @@ class MeshSpec:
 
     @property
     def names(self) -> tuple[str, ...]:
-        return tuple(a.name for a in self.axes)
+        return self._names
 
     @property
     def shape(self) -> dict[str, int]:
@@ -149,9 +153,15 @@ class MeshSpec:
         except KeyError:
             raise ShardsolveError(f"unknown mesh axis {name!r}; mesh axes are {self.names}") from None
 
+    def axis_size(self, name: str) -> int:
+        try:
+            return self._sizes[name]
+        except KeyError:
+            raise ShardsolveError(f"unknown mesh axis {name!r}; mesh axes are {self.names}") from None
+
     def group_size(self, names) -> int:
         """Number of devices in one group spanned by the given axes."""
-        return math.prod(self.axis(n).size for n in names)
+        return math.prod(self.axis_size(n) for n in names)
 
     def order(self, names) -> tuple[str, ...]:
         """The given axis names in mesh order."""

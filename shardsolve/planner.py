@@ -169,44 +169,38 @@ def build_problem(
             pins.append(Pin(idx, (cands.index(pinned),), label))
 
     edges: dict[tuple[int, int], np.ndarray] = {}
-    strategy_cache: dict[tuple, tuple[Strategy, ...]] = {}
+    tables = _Tables(mesh)
+    produced_ids: dict[int, np.ndarray] = {vid: tables.ids(produced[vid][1]) for vid in produced}
+    rule_cache: dict[tuple, _RuleStrategies] = {}
     for op in graph.ops:
         view = graph.view(op)
         rule = rule_for(view)
         fallback = rule is None
         if rule is None:
             rule = fallback_rule(view)
-        fixed = op.literal_operands
-        key = (rule, fixed)
-        strategies = strategy_cache.get(key)
-        if strategies is None:
-            strategies = tuple(rule.strategies(mesh, fixed_operands=fixed))
-            strategy_cache[key] = strategies
-        itemsizes = [np.dtype(d).itemsize for d in view.in_dtypes + view.out_dtypes]
-        costs = np.array([rule.strategy_time(s, mesh, itemsizes) for s in strategies], dtype=np.float64)
-        usage = np.array(
-            [
-                sum(s.results[r].local_bytes(values[v].shape, values[v].itemsize, mesh) for r, v in enumerate(op.outputs))
-                for s in strategies
-            ],
-            dtype=np.float64,
-        )
+        itemsizes = tuple(np.dtype(d).itemsize for d in view.in_dtypes + view.out_dtypes)
+        key = (rule, op.literal_operands, itemsizes)
+        rs = rule_cache.get(key)
+        if rs is None:
+            rs = _RuleStrategies.make(rule, op.literal_operands, itemsizes, mesh, tables)
+            rule_cache[key] = rs
         end = max((last_use.get(v, op.id) for v in op.outputs), default=op.id)
         if any(v in output_ids for v in op.outputs):
             end = horizon - 1
         idx = add(
-            Node(op.name(), costs, usage, (op.id + 1, end + 2), tuple(s.describe() for s in strategies)),
-            NodeInfo("op", op.id, rule=rule, strategies=strategies, fallback=fallback),
+            Node(op.name(), rs.costs, rs.usage, (op.id + 1, end + 2), rs.labels),
+            NodeInfo("op", op.id, rule=rule, strategies=rs.strategies, fallback=fallback),
         )
         op_node[op.id] = idx
         for r, v in enumerate(op.outputs):
-            produced[v] = (idx, [s.results[r] for s in strategies])
+            produced[v] = (idx, [s.results[r] for s in rs.strategies])
+            produced_ids[v] = rs.result_ids[r]
         for k, x in enumerate(op.inputs):
             if isinstance(x, Lit):
                 continue
-            src_idx, src_shardings = produced[x]
-            table = _reshard_table(values[x], src_shardings, [s.operands[k] for s in strategies], mesh)
-            key2 = (src_idx, idx)
+            value = values[x]
+            table = tables.table(value.shape, value.itemsize, produced_ids[x], rs.operand_ids[k])
+            key2 = (produced[x][0], idx)
             edges[key2] = edges[key2] + table if key2 in edges else table
 
     for k, x in enumerate(graph.outputs):
@@ -222,8 +216,7 @@ def build_problem(
         output_node[k] = idx
         if pinned is not None:
             pins.append(Pin(idx, (cands.index(pinned),), label))
-        src_idx, src_shardings = produced[x]
-        edges[(src_idx, idx)] = _reshard_table(value, src_shardings, list(cands), mesh)
+        edges[(produced[x][0], idx)] = tables.table(value.shape, value.itemsize, produced_ids[x], tables.ids(cands))
 
     for arg_leaf, out_leaf in ties:
         if out_leaf not in output_node:
@@ -241,24 +234,72 @@ def build_problem(
     return Built(problem, infos, op_node, value_node, output_node)
 
 
-def _reshard_table(value, src: Sequence[Sharding], dst: Sequence[Sharding], mesh: MeshSpec) -> np.ndarray:
-    """Reshard seconds from each source strategy's sharding to each destination's (forbidden = 1e18)."""
-    su, si = _uniq(src)
-    du, di = _uniq(dst)
-    small = np.empty((len(su), len(du)), dtype=np.float64)
-    for a, s in enumerate(su):
-        for b, d in enumerate(du):
-            t = reshard_time(value.shape, value.itemsize, s, d, mesh)
-            small[a, b] = FORBIDDEN if math.isinf(t) else t
-    return small[np.ix_(si, di)]
+class _Tables:
+    """Reshard-time tables, computed once per distinct (shape, dtype size, shardings) and reused."""
+
+    def __init__(self, mesh: MeshSpec):
+        self.mesh = mesh
+        self._ids: dict[Sharding, int] = {}
+        self.shardings: list[Sharding] = []
+        self._small: dict[tuple, np.ndarray] = {}
+
+    def ids(self, shardings: Sequence[Sharding]) -> np.ndarray:
+        out = np.empty(len(shardings), dtype=np.int64)
+        for k, s in enumerate(shardings):
+            i = self._ids.get(s)
+            if i is None:
+                i = self._ids[s] = len(self.shardings)
+                self.shardings.append(s)
+            out[k] = i
+        return out
+
+    def table(self, shape: tuple[int, ...], itemsize: int, src: np.ndarray, dst: np.ndarray) -> np.ndarray:
+        """Seconds to reshard from each source strategy's sharding to each destination's (forbidden = 1e18)."""
+        su, si = np.unique(src, return_inverse=True)
+        du, di = np.unique(dst, return_inverse=True)
+        key = (shape, itemsize, su.tobytes(), du.tobytes())
+        small = self._small.get(key)
+        if small is None:
+            small = np.empty((len(su), len(du)), dtype=np.float64)
+            for a, s in enumerate(su):
+                for b, d in enumerate(du):
+                    t = reshard_time(shape, itemsize, self.shardings[s], self.shardings[d], self.mesh)
+                    small[a, b] = FORBIDDEN if math.isinf(t) else t
+            self._small[key] = small
+        return small[np.ix_(si, di)]
 
 
-def _uniq(items: Sequence[Sharding]) -> tuple[list[Sharding], np.ndarray]:
-    index: dict[Sharding, int] = {}
-    inverse = np.empty(len(items), dtype=np.int64)
-    for k, s in enumerate(items):
-        inverse[k] = index.setdefault(s, len(index))
-    return list(index), inverse
+@dataclass(frozen=True)
+class _RuleStrategies:
+    """A rule's strategies with their costs, memory and sharding ids (shared by equal ops)."""
+
+    strategies: tuple[Strategy, ...]
+    costs: np.ndarray
+    usage: np.ndarray
+    labels: tuple[str, ...]
+    operand_ids: tuple[np.ndarray, ...]
+    result_ids: tuple[np.ndarray, ...]
+
+    @classmethod
+    def make(cls, rule: Rule, fixed: tuple[int, ...], itemsizes: tuple[int, ...], mesh: MeshSpec, tables: _Tables):
+        strategies = tuple(rule.strategies(mesh, fixed_operands=fixed))
+        n_in = len(rule.operands)
+        costs = np.array([rule.strategy_time(s, mesh, itemsizes) for s in strategies], dtype=np.float64)
+        usage = np.array(
+            [
+                sum(r.local_bytes(rule.result_shape(k), itemsizes[n_in + k], mesh) for k, r in enumerate(s.results))
+                for s in strategies
+            ],
+            dtype=np.float64,
+        )
+        return cls(
+            strategies,
+            costs,
+            usage,
+            tuple(s.describe() for s in strategies),
+            tuple(tables.ids([s.operands[k] for s in strategies]) for k in range(n_in)),
+            tuple(tables.ids([s.results[k] for s in strategies]) for k in range(len(rule.results))),
+        )
 
 
 # -- solution -> plan --------------------------------------------------------

@@ -93,21 +93,24 @@ class Sharding:
         return not self.axes and not self.partial
 
     def dim_shards(self, dim: int, mesh: MeshSpec) -> int:
-        return math.prod(mesh.axis(a).size for a in self.dims[dim])
+        return mesh.group_size(self.dims[dim])
 
     def num_shards(self, mesh: MeshSpec) -> int:
         """Number of distinct pieces the value is split into (partial axes excluded)."""
-        return math.prod(mesh.axis(a).size for a in self.axes)
+        return mesh.group_size(self.axes)
 
     def divides(self, shape: Sequence[int], mesh: MeshSpec) -> bool:
         return all(size % self.dim_shards(d, mesh) == 0 for d, size in enumerate(shape))
 
     def local_shape(self, shape: Sequence[int], mesh: MeshSpec) -> tuple[int, ...]:
         """Per-device shape (dimensions padded up where the split is uneven)."""
-        return tuple(-(-size // self.dim_shards(d, mesh)) for d, size in enumerate(shape))
+        return tuple(-(-size // mesh.group_size(axes)) if axes else size for size, axes in zip(shape, self.dims))
 
     def local_bytes(self, shape: Sequence[int], itemsize: int, mesh: MeshSpec) -> int:
-        return math.prod(self.local_shape(shape, mesh)) * itemsize
+        n = itemsize
+        for size, axes in zip(shape, self.dims):
+            n *= -(-size // mesh.group_size(axes)) if axes else size
+        return n
 
     def without_partial(self) -> Sharding:
         return Sharding(self.dims)
