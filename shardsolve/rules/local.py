@@ -1,0 +1,258 @@
+"""Run one rule's strategy on local shards, inside ``jax.shard_map``.
+
+``run_local`` is what the rewriter (``shardsolve.lower``) calls for every
+equation: each operand arrives as its local shard laid out as
+``strategy.operands[k]`` (a partial operand holds one summand), and each
+result leaves laid out as ``strategy.results[k]`` (a partial result holds its
+summand, or its max/min candidate). No collective is issued here: pending
+reductions are the rewriter's to resolve.
+
+Most primitives simply re-bind with their shape-carrying parameters made
+local. For ``broadcast_in_dim`` of ``f32[8] -> f32[8, 4]`` under
+``[{}, {x}]`` on ``x=2`` the local call is ``broadcast_in_dim(shape=(8, 2))``.
+The others:
+
+- ``iota`` adds the shard's offset along a split ``dimension``;
+- ``slice``/``dynamic_slice`` take the whole local extent of passed-through dims;
+- ``gather`` with a split indexed dimension looks up only the indices in the
+  shard's range (shifted by the shard's offset) and writes zeros elsewhere;
+  ``FILL_OR_DROP`` fill values are written by one device of the partial group;
+- ``scatter-add`` with a split indexed dimension drops updates outside the
+  shard's rows; when its index batch factors are split, one device of each
+  group keeps the operand and the others start from zeros.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+from shardsolve.mesh import MeshSpec
+from shardsolve.rules.base import OpView, Rule, Strategy
+
+AxisIndex = Callable[[str], Any]
+
+
+@dataclass(frozen=True, slots=True)
+class LocalCall:
+    """Everything a local kernel needs besides the operand shards."""
+
+    op: OpView
+    rule: Rule
+    strategy: Strategy
+    mesh: MeshSpec
+    axis_index: AxisIndex
+
+    def out_local_shape(self, k: int = 0) -> tuple[int, ...]:
+        return self.strategy.results[k].local_shape(self.op.out_shapes[k], self.mesh)
+
+    def shard_index(self, axes: Sequence[str]):
+        """Linear index of this device's shard along ``axes`` (major to minor)."""
+        import jax.numpy as jnp
+
+        idx = jnp.int32(0)
+        for a in axes:
+            idx = idx * self.mesh.axis(a).size + self.axis_index(a)
+        return idx
+
+    def is_first(self, axes: Sequence[str]):
+        """True on the devices whose index along every one of ``axes`` is 0."""
+        import jax.numpy as jnp
+
+        out = jnp.bool_(True)
+        for a in axes:
+            out = out & (self.axis_index(a) == 0)
+        return out
+
+    def bind(self, operands: Sequence[Any], **changes: Any) -> list[Any]:
+        prim = self.op.prim
+        if prim is None:
+            raise ValueError(f"OpView of {self.op.primitive!r} carries no primitive; set OpView.prim to run it on shards")
+        params = _local_params(self.op.params)
+        params.update(changes)
+        out = prim.bind(*operands, **params)
+        return list(out) if prim.multiple_results else [out]
+
+
+def _local_params(params: dict) -> dict:
+    """The equation's parameters with global sharding annotations dropped."""
+    out = dict(params)
+    for key in ("sharding", "out_sharding"):
+        if key in out:
+            out[key] = None
+    return out
+
+
+Kernel = Callable[[LocalCall, list], list]
+
+
+def run_local(
+    op: OpView,
+    rule: Rule,
+    strategy: Strategy,
+    mesh: MeshSpec,
+    operands: list,
+    axis_index: AxisIndex,
+) -> list:
+    """Each result's local shard, from each operand's local shard (see the module docstring)."""
+    kernel = KERNELS.get(op.primitive, _rebind)
+    return kernel(LocalCall(op, rule, strategy, mesh, axis_index), list(operands))
+
+
+# -- kernels --------------------------------------------------------------
+
+
+def _rebind(call: LocalCall, operands: list) -> list:
+    return call.bind(operands)
+
+
+def _broadcast_in_dim(call: LocalCall, operands: list) -> list:
+    return call.bind(operands, shape=call.out_local_shape())
+
+
+def _reshape(call: LocalCall, operands: list) -> list:
+    return call.bind(operands, new_sizes=call.out_local_shape())
+
+
+def _iota(call: LocalCall, operands: list) -> list:
+    import jax.numpy as jnp
+
+    shape = call.out_local_shape()
+    dim = call.op.params["dimension"]
+    (out,) = call.bind(operands, shape=shape)
+    axes = call.strategy.results[0].dims[dim]
+    if axes:
+        out = out + (call.shard_index(axes) * shape[dim]).astype(out.dtype)
+    return [jnp.asarray(out)]
+
+
+def _slice(call: LocalCall, operands: list) -> list:
+    local = operands[0].shape
+    limits = list(call.op.params["limit_indices"])
+    for d, axes in enumerate(call.strategy.operands[0].dims):
+        if axes:  # a passed-through dimension: take all of it
+            limits[d] = local[d]
+    return call.bind(operands, limit_indices=tuple(limits))
+
+
+def _dynamic_slice(call: LocalCall, operands: list) -> list:
+    return call.bind(operands, slice_sizes=call.out_local_shape())
+
+
+def _mode_name(mode: Any) -> str:
+    return getattr(mode, "name", str(mode)).upper()
+
+
+def _default_fill(dtype: Any) -> Any:
+    import jax.numpy as jnp
+    import numpy as np
+
+    if jnp.issubdtype(dtype, jnp.inexact):
+        return np.nan
+    if jnp.issubdtype(dtype, jnp.signedinteger):
+        return jnp.iinfo(dtype).min
+    if jnp.issubdtype(dtype, jnp.unsignedinteger):
+        return jnp.iinfo(dtype).max
+    return True
+
+
+def _gather(call: LocalCall, operands: list) -> list:
+    import jax.numpy as jnp
+    from jax import lax
+
+    operand, indices = operands
+    op = call.op
+    dn = op.params["dimension_numbers"]
+    in_sh, out_sh = call.strategy.operands[0], call.strategy.results[0]
+    global_shape, local_shape = op.in_shapes[0], operand.shape
+    global_sizes = tuple(op.params["slice_sizes"])
+    slice_sizes = list(global_sizes)
+    for d, axes in enumerate(in_sh.dims):
+        if axes and global_sizes[d] == global_shape[d]:  # a passed-through dimension
+            slice_sizes[d] = local_shape[d]
+    # split indexed dims with a one-element window (full windows pass through, starting at 0)
+    split_indexed = {d for d in dn.start_index_map if in_sh.dims[d] and global_sizes[d] < global_shape[d]}
+    fill_mode = _mode_name(op.params["mode"]) == "FILL_OR_DROP"
+    if not split_indexed and not (fill_mode and out_sh.partial):
+        return call.bind(operands, slice_sizes=tuple(slice_sizes))
+
+    keep = jnp.ones(indices.shape[:-1], bool)
+    oob = jnp.zeros(indices.shape[:-1], bool)
+    cols = []
+    for k, d in enumerate(dn.start_index_map):
+        col = indices[..., k]
+        hi = global_shape[d] - global_sizes[d]
+        if fill_mode:
+            oob = oob | (col < 0) | (col > hi)
+        col = jnp.clip(col, 0, hi)
+        if d in split_indexed:
+            n_local = local_shape[d]
+            col = col - (call.shard_index(in_sh.dims[d]) * n_local).astype(col.dtype)
+            keep = keep & (col >= 0) & (col < n_local)
+            col = jnp.clip(col, 0, n_local - 1)
+        cols.append(col)
+    local_indices = jnp.stack(cols, axis=-1).astype(indices.dtype)
+    (out,) = call.bind(
+        [operand, local_indices],
+        slice_sizes=tuple(slice_sizes),
+        mode=lax.GatherScatterMode.CLIP,
+        fill_value=None,
+    )
+    batch_positions = tuple(d for d in range(out.ndim) if d not in dn.offset_dims)
+
+    def spread(mask):
+        return lax.broadcast_in_dim(mask, out.shape, batch_positions)
+
+    if fill_mode:
+        keep = keep & ~oob
+    out = jnp.where(spread(keep), out, jnp.zeros((), out.dtype))
+    if fill_mode:
+        fill = op.params.get("fill_value")
+        fill = _default_fill(out.dtype) if fill is None else fill
+        out = jnp.where(spread(oob) & call.is_first(out_sh.partial), jnp.asarray(fill, out.dtype), out)
+    return [out]
+
+
+def _scatter_add(call: LocalCall, operands: list) -> list:
+    import jax.numpy as jnp
+    from jax import lax
+
+    operand, indices, updates = operands
+    op = call.op
+    dn = op.params["dimension_numbers"]
+    in_sh, out_sh = call.strategy.operands[0], call.strategy.results[0]
+    changes: dict[str, Any] = {}
+    zero_axes = [a for a in out_sh.partial if a not in in_sh.partial]
+    if zero_axes:  # split scatter (index batch) factors: count the operand once per group
+        operand = jnp.where(call.is_first(zero_axes), operand, jnp.zeros((), operand.dtype))
+    split_indexed = {d for d in dn.scatter_dims_to_operand_dims if in_sh.dims[d]}
+    if split_indexed:
+        global_shape, local_shape = op.in_shapes[0], operand.shape
+        window_dims = [
+            d for d in range(len(global_shape)) if d not in dn.inserted_window_dims and d not in dn.operand_batching_dims
+        ]
+        window = {d: op.in_shapes[2][u] for d, u in zip(window_dims, dn.update_window_dims)}
+        clip = _mode_name(op.params["mode"]) == "CLIP"
+        cols = []
+        for k, d in enumerate(dn.scatter_dims_to_operand_dims):
+            col = indices[..., k]
+            if clip:
+                col = jnp.clip(col, 0, global_shape[d] - window.get(d, 1))
+            if d in split_indexed:
+                col = col - (call.shard_index(in_sh.dims[d]) * local_shape[d]).astype(col.dtype)
+            cols.append(col)
+        indices = jnp.stack(cols, axis=-1).astype(indices.dtype)
+        changes["mode"] = lax.GatherScatterMode.FILL_OR_DROP  # drop updates outside this shard
+    return call.bind([operand, indices, updates], **changes)
+
+
+KERNELS: dict[str, Kernel] = {
+    "broadcast_in_dim": _broadcast_in_dim,
+    "reshape": _reshape,
+    "iota": _iota,
+    "slice": _slice,
+    "dynamic_slice": _dynamic_slice,
+    "gather": _gather,
+    "scatter-add": _scatter_add,
+    "scatter_add": _scatter_add,
+}

@@ -1,0 +1,101 @@
+"""Reductions, arg-reductions, scans and sorts.
+
+``reduce_sum`` over axis 1 of ``f32[8, 16]``:
+
+    ([i, j])->([i]) {i=8, j=16} reduction={j} linear={(0)}
+
+``reduce_max`` is the same with ``reduction={j}(max)``: splitting ``j``
+leaves per-device maximum candidates. Reductions whose partial results we
+cannot combine (``reduce_prod``, ``argmax``, boolean ``reduce_and``/``or``)
+mark the reduced factor need-replication instead; so do scans (``cumsum``)
+along their axis and ``sort``/``top_k`` along theirs. FLOPs are one per input
+element (``sort``: times ``log2`` of the sorted extent).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+from shardsolve.rules._builder import RuleBuilder, numel
+from shardsolve.rules.base import OpView, Rule
+
+
+def _reduce(op: OpView, *, combine: str | None, linear: bool) -> Rule:
+    """``combine`` is the partial-result operation (sum/max/min) or None: replicate reduced dims."""
+    b = RuleBuilder()
+    shape = op.in_shapes[0]
+    axes = {a % max(len(shape), 1) for a in op.params["axes"]}
+    in_f = [b.new(n, reduce=combine is not None and d in axes, replicate=combine is None and d in axes) for d, n in enumerate(shape)]
+    out_f = [f for d, f in enumerate(in_f) if d not in axes]
+    return b.build(
+        [in_f],
+        [out_f] * len(op.out_shapes),
+        reduce_op=combine or "sum",
+        linear=((0,),) if linear else (),
+        flops=numel(shape),
+    )
+
+
+def reduce_sum_rule(op: OpView) -> Rule:
+    # reduce_sum is linear: sum(A1 + A2) = sum(A1) + sum(A2)
+    return _reduce(op, combine="sum", linear=True)
+
+
+def reduce_max_rule(op: OpView) -> Rule:
+    return _reduce(op, combine="max", linear=False)
+
+
+def reduce_min_rule(op: OpView) -> Rule:
+    return _reduce(op, combine="min", linear=False)
+
+
+def replicated_reduce_rule(op: OpView) -> Rule:
+    return _reduce(op, combine=None, linear=False)
+
+
+def scan_rule(op: OpView, *, linear: bool) -> Rule:
+    b = RuleBuilder()
+    shape = op.in_shapes[0]
+    axis = op.params["axis"] % max(len(shape), 1)
+    f = [b.new(n, replicate=d == axis) for d, n in enumerate(shape)]
+    return b.build([f], [f], linear=((0,),) if linear else (), flops=numel(shape))
+
+
+def cumsum_rule(op: OpView) -> Rule:
+    # cumsum is linear: cumsum(A1 + A2) = cumsum(A1) + cumsum(A2)
+    return scan_rule(op, linear=True)
+
+
+def sort_rule(op: OpView) -> Rule:
+    b = RuleBuilder()
+    shape = op.in_shapes[0]
+    axis = op.params["dimension"] % max(len(shape), 1)
+    f = [b.new(n, replicate=d == axis) for d, n in enumerate(shape)]
+    flops = numel(shape) * max(1, math.ceil(math.log2(max(shape[axis], 1)))) if shape else 1
+    return b.build([f] * len(op.in_shapes), [f] * len(op.out_shapes), flops=flops * len(op.in_shapes))
+
+
+def top_k_rule(op: OpView) -> Rule:
+    b = RuleBuilder()
+    shape = op.in_shapes[0]
+    axis = op.params.get("axis", len(shape) - 1) % len(shape)
+    in_f = [b.new(n, replicate=d == axis) for d, n in enumerate(shape)]
+    out_shape = op.out_shapes[0]
+    out_f = [b.new(out_shape[d], replicate=True) if d == axis else f for d, f in enumerate(in_f)]
+    flops = numel(shape) * max(1, math.ceil(math.log2(max(shape[axis], 1))))
+    return b.build([in_f], [out_f] * len(op.out_shapes), flops=flops)
+
+
+RULES: dict[str, Callable[[OpView], Rule]] = {
+    "reduce_sum": reduce_sum_rule,
+    "reduce_max": reduce_max_rule,
+    "reduce_min": reduce_min_rule,
+}
+for _name in ("reduce_prod", "reduce_and", "reduce_or", "reduce_xor", "argmax", "argmin"):
+    RULES[_name] = replicated_reduce_rule
+RULES["cumsum"] = cumsum_rule
+for _name in ("cumprod", "cummax", "cummin", "cumlogsumexp"):
+    RULES[_name] = lambda op: scan_rule(op, linear=False)
+RULES["sort"] = sort_rule
+RULES["top_k"] = top_k_rule

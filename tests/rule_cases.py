@@ -1,0 +1,166 @@
+"""Representative equations of every rule family, shared by the numeric tests
+and ``experiments/validate_rules.py``.
+
+Each case is a small JAX function, example arguments, the primitive whose
+(first) equation to check, and the range integer operands are drawn from
+(indices). Shapes are small and split evenly over 8 devices where it matters.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+
+@dataclass(frozen=True, slots=True)
+class Case:
+    name: str
+    fn: Callable[..., Any]
+    args: tuple[Any, ...]
+    primitive: str
+    int_range: tuple[int, int] = (0, 4)
+    rtol: float = 1e-4
+    atol: float = 1e-4
+    index: int = 0
+    family: str = field(default="")
+
+
+def f32(*shape: int) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(shape, jnp.float32)
+
+
+def i32(*shape: int) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(shape, jnp.int32)
+
+
+def b1(*shape: int) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(shape, jnp.bool_)
+
+
+_take_along = lambda x, i: jnp.take_along_axis(x, i, axis=-1)  # noqa: E731
+
+CASES: list[Case] = [
+    # elementwise
+    Case("add", lambda a, b: a + b, (f32(8, 4), f32(8, 4)), "add", family="elementwise"),
+    Case("add_literal", lambda a: a + 1.0, (f32(8, 4),), "add", family="elementwise"),
+    Case("mul_scalar_operand", lambda a, s: a * s, (f32(8, 4), f32()), "mul", family="elementwise"),
+    Case("mul_size1_broadcast", lambda a, s: lax.mul(a, s), (f32(8, 4), f32(1, 1)), "mul", family="elementwise"),
+    Case("sub_scalars", lambda a, b: a - b, (f32(), f32()), "sub", family="elementwise"),
+    Case("div", lambda a, b: a / b, (f32(8, 4), f32(8, 4)), "div", family="elementwise"),
+    Case("neg", lambda a: -a, (f32(2, 8, 4),), "neg", family="elementwise"),
+    Case("max", lambda a, b: jnp.maximum(a, b), (f32(8, 4), f32(8, 4)), "max", family="elementwise"),
+    Case("exp", jnp.exp, (f32(8, 4),), "exp", family="elementwise"),
+    Case("tanh", jnp.tanh, (f32(8, 4),), "tanh", family="elementwise"),
+    Case("logistic", jax.nn.sigmoid, (f32(8, 4),), "logistic", family="elementwise"),
+    Case("integer_pow", lambda a: a**3, (f32(8, 4),), "integer_pow", rtol=1e-3, family="elementwise"),
+    Case("select_n", lambda p, a, b: lax.select(p, a, b), (b1(8, 4), f32(8, 4), f32(8, 4)), "select_n", family="elementwise"),
+    Case("select_n_scalar_pred", lambda p, a, b: lax.select_n(p, a, b), (b1(), f32(8, 4), f32(8, 4)), "select_n", family="elementwise"),
+    Case("convert_bf16", lambda a: a.astype(jnp.bfloat16), (f32(8, 4),), "convert_element_type", rtol=2e-2, atol=5e-2, family="elementwise"),
+    Case("convert_int", lambda a: a.astype(jnp.int32), (f32(8, 4),), "convert_element_type", family="elementwise"),
+    Case("clamp", lambda lo, a, hi: lax.clamp(lo, a, hi), (f32(), f32(8, 4), f32()), "clamp", family="elementwise"),
+    Case("eq", lambda a, b: a == b, (i32(8, 4), i32(8, 4)), "eq", family="elementwise"),
+    Case("and", lambda a, b: a & b, (b1(8, 4), b1(8, 4)), "and", family="elementwise"),
+    # structural
+    Case("broadcast_rank1", lambda a: jnp.broadcast_to(a[:, None], (8, 4)), (f32(8),), "broadcast_in_dim", family="structural"),
+    Case("broadcast_size1", lambda a: lax.broadcast_in_dim(a, (8, 4), (0, 1)), (f32(8, 1),), "broadcast_in_dim", family="structural"),
+    Case("broadcast_scalar", lambda a: jnp.broadcast_to(a, (8, 4)), (f32(),), "broadcast_in_dim", family="structural"),
+    Case("reshape_split", lambda a: a.reshape(4, 8), (f32(32),), "reshape", family="structural"),
+    Case("reshape_merge", lambda a: a.reshape(32), (f32(4, 8),), "reshape", family="structural"),
+    Case("reshape_heads", lambda a: a.reshape(2, 8, 4, 2), (f32(2, 8, 8),), "reshape", family="structural"),
+    Case("reshape_general", lambda a: a.reshape(2, 16), (f32(8, 4),), "reshape", family="structural"),
+    Case("reshape_mismatch", lambda a: a.reshape(4, 6), (f32(6, 4),), "reshape", family="structural"),
+    Case("reshape_size1", lambda a: a.reshape(8, 4), (f32(8, 1, 4),), "reshape", family="structural"),
+    Case("transpose", lambda a: a.transpose(2, 0, 1), (f32(2, 8, 4),), "transpose", family="structural"),
+    Case("squeeze", lambda a: a.squeeze(1), (f32(8, 1, 4),), "squeeze", family="structural"),
+    Case("expand_dims", lambda a: jnp.expand_dims(a, 1), (f32(8, 4),), "broadcast_in_dim", family="structural"),
+    Case("slice", lambda a: a[:, 1:3], (f32(8, 4),), "slice", family="structural"),
+    Case("pad", lambda a: jnp.pad(a, ((0, 0), (1, 2))), (f32(8, 4),), "pad", family="structural"),
+    Case("rev", lambda a: a[:, ::-1], (f32(8, 4),), "rev", family="structural"),
+    Case("concatenate", lambda a, b: jnp.concatenate([a, b], 1), (f32(8, 4), f32(8, 2)), "concatenate", family="structural"),
+    Case("split", lambda a: jnp.split(a, 2, axis=1), (f32(8, 4),), "split", family="structural"),
+    Case("dynamic_slice", lambda a, i: lax.dynamic_slice(a, (0, i), (8, 2)), (f32(8, 4), i32()), "dynamic_slice", family="structural"),
+    Case(
+        "dynamic_update_slice",
+        lambda a, u, i: lax.dynamic_update_slice(a, u, (0, i)),
+        (f32(8, 4), f32(8, 2), i32()),
+        "dynamic_update_slice",
+        family="structural",
+    ),
+    Case("iota", lambda a: a + lax.broadcasted_iota(jnp.int32, (8, 4), 0), (i32(8, 4),), "iota", family="structural"),
+    Case("iota_minor", lambda a: a + lax.broadcasted_iota(jnp.int32, (4, 8), 1), (i32(4, 8),), "iota", family="structural"),
+    # contraction
+    Case("matmul", lambda a, b: a @ b, (f32(8, 4), f32(4, 8)), "dot_general", family="contraction"),
+    Case("batch_matmul", lambda a, b: jnp.einsum("bmk,bkn->bmn", a, b), (f32(2, 4, 8), f32(2, 8, 4)), "dot_general", family="contraction"),
+    Case("dot_outer", lambda a, b: jnp.einsum("bsd,bte->bst", a, b), (f32(2, 4, 2), f32(2, 4, 2)), "dot_general", family="contraction"),
+    # reductions
+    Case("reduce_sum", lambda a: a.sum(1), (f32(8, 8),), "reduce_sum", family="reduction"),
+    Case("reduce_sum_all", lambda a: a.sum(), (f32(8, 4),), "reduce_sum", family="reduction"),
+    Case("reduce_max", lambda a: a.max(0), (f32(8, 4),), "reduce_max", family="reduction"),
+    Case("reduce_min", lambda a: a.min(1), (f32(4, 8),), "reduce_min", family="reduction"),
+    Case("argmax", lambda a: jnp.argmax(a, 1), (f32(8, 4),), "argmax", family="reduction"),
+    Case("cumsum", lambda a: jnp.cumsum(a, 1), (f32(8, 4),), "cumsum", family="reduction"),
+    Case("cummax", lambda a: lax.cummax(a, 0), (f32(8, 4),), "cummax", family="reduction"),
+    Case("sort", lambda a: jnp.sort(a, 1), (f32(8, 4),), "sort", family="reduction"),
+    Case("top_k", lambda a: lax.top_k(a, 2), (f32(8, 4),), "top_k", family="reduction"),
+    # indexing
+    Case("embedding", lambda w, t: w[t], (f32(16, 8), i32(4, 8)), "gather", int_range=(0, 16), family="indexing"),
+    Case("embedding_oob", lambda w, t: w[t], (f32(16, 8), i32(4, 8)), "gather", int_range=(-3, 20), family="indexing"),
+    Case("take_clip", lambda w, t: jnp.take(w, t, axis=0, mode="clip"), (f32(16, 8), i32(8)), "gather", int_range=(-3, 20), family="indexing"),
+    Case(
+        "take_fill_zero",
+        lambda w, t: w.at[t].get(mode="fill", fill_value=0.0),
+        (f32(16, 8), i32(8)),
+        "gather",
+        int_range=(-3, 20),
+        family="indexing",
+    ),
+    Case(
+        "gather_window",
+        jax.vmap(lambda x, i: lax.dynamic_slice_in_dim(x, i, 2, axis=0), in_axes=(None, 0)),
+        (f32(16, 8), i32(8)),
+        "gather",
+        int_range=(-3, 20),
+        family="indexing",
+    ),
+    Case("take_along_axis", _take_along, (f32(2, 4, 8), i32(2, 4, 1)), "gather", int_range=(-1, 9), family="indexing"),
+    Case(
+        "embedding_grad",
+        jax.grad(lambda w, t: (w[t] ** 2).sum()),
+        (f32(16, 8), i32(4, 8)),
+        "scatter-add",
+        int_range=(0, 16),
+        family="indexing",
+    ),
+    Case(
+        "scatter_add_clip",
+        lambda w, t, u: w.at[t].add(u, mode="clip"),
+        (f32(16, 8), i32(8), f32(8, 8)),
+        "scatter-add",
+        int_range=(-3, 20),
+        family="indexing",
+    ),
+    Case(
+        "take_along_axis_grad",
+        jax.grad(lambda x, i: _take_along(x, i).sum()),
+        (f32(2, 4, 8), i32(2, 4, 1)),
+        "scatter-add",
+        int_range=(-1, 9),
+        family="indexing",
+    ),
+]
+
+MESHES = ("x=8", "a=2,b=4", "a=2,b=2,c=2")
+
+
+def by_name(name: str) -> Case:
+    return next(c for c in CASES if c.name == name)
+
+
+def equation(case: Case):
+    from shardsolve.rules.validate import find_equation
+
+    return find_equation(case.fn, *case.args, primitive=case.primitive, index=case.index)

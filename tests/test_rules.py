@@ -1,0 +1,377 @@
+"""Rules as golden strings, one or more per primitive family, and the
+printed form's round trip."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from jax import lax
+
+from shardsolve.mesh import MeshSpec
+from shardsolve.rules import RULES, fallback_rule, rule_for
+from shardsolve.rules.base import OpView, Rule
+from shardsolve.rules.structural import factorize_reshape
+from shardsolve.rules.validate import find_equation, op_view
+
+F32 = jnp.float32
+
+
+def view(primitive: str, ins, outs, params=None, in_dtypes=None, out_dtypes=None) -> OpView:
+    ins, outs = tuple(map(tuple, ins)), tuple(map(tuple, outs))
+    return OpView(
+        primitive,
+        params or {},
+        ins,
+        outs,
+        tuple(in_dtypes or [F32] * len(ins)),
+        tuple(out_dtypes or [F32] * len(outs)),
+    )
+
+
+def golden(op: OpView) -> str:
+    rule = rule_for(op)
+    assert rule is not None, f"{op.primitive} has no rule"
+    assert tuple(rule.operand_shape(k) for k in range(len(op.in_shapes))) == op.in_shapes
+    assert tuple(rule.result_shape(k) for k in range(len(op.out_shapes))) == op.out_shapes
+    return str(rule)
+
+
+def traced(fn, *args, primitive: str) -> str:
+    return golden(op_view(find_equation(fn, *args, primitive=primitive)))
+
+
+# -- elementwise -------------------------------------------------------------
+
+
+def test_binary_linear_together():
+    assert golden(view("add", [(8, 4), (8, 4)], [(8, 4)])) == "([i, j], [i, j])->([i, j]) {i=8, j=4} linear={(0, 1)}"
+
+
+def test_mul_linear_in_each_operand_with_rank0_operand():
+    assert golden(view("mul", [(8, 4), ()], [(8, 4)])) == "([i, j], [])->([i, j]) {i=8, j=4} linear={(0), (1)}"
+
+
+def test_size1_operand_dims_broadcast():
+    out = golden(view("mul", [(8, 4), (1, 1)], [(8, 4)]))
+    assert out == "([i, j], [k, l])->([i, j]) {i=8, j=4, k=1, l=1} linear={(0), (1)}"
+
+
+def test_rank0_everything():
+    assert golden(view("sub", [(), ()], [()])) == "([], [])->([]) {} linear={(0, 1)}"
+
+
+def test_size0_dims():
+    assert golden(view("exp", [(0, 4)], [(0, 4)])) == "([i, j])->([i, j]) {i=0, j=4}"
+
+
+def test_transcendental_flops():
+    assert rule_for(view("exp", [(8, 4)], [(8, 4)])).flops == 4 * 32
+    assert rule_for(view("add", [(8, 4), (8, 4)], [(8, 4)])).flops == 32
+
+
+def test_div_linear_in_numerator_only():
+    assert golden(view("div", [(8,), (8,)], [(8,)])).endswith("linear={(0)}")
+
+
+def test_nonlinear_pointwise_has_no_groups():
+    for name in ("max", "tanh", "integer_pow", "eq", "clamp"):
+        ins = [(), (4,), ()] if name == "clamp" else [(4,), (4,)] if name in ("max", "eq") else [(4,)]
+        assert "linear" not in golden(view(name, ins, [(4,)]))
+
+
+def test_select_n_linear_in_cases_with_scalar_predicate():
+    out = golden(view("select_n", [(), (8, 4), (8, 4)], [(8, 4)], in_dtypes=[jnp.bool_, F32, F32]))
+    assert out == "([], [i, j], [i, j])->([i, j]) {i=8, j=4} linear={(1, 2)}"
+
+
+def test_convert_linear_only_between_floats():
+    f2b = view("convert_element_type", [(8,)], [(8,)], in_dtypes=[F32], out_dtypes=[jnp.bfloat16])
+    f2i = view("convert_element_type", [(8,)], [(8,)], in_dtypes=[F32], out_dtypes=[jnp.int32])
+    assert golden(f2b) == "([i])->([i]) {i=8} linear={(0)}"
+    assert golden(f2i) == "([i])->([i]) {i=8}"
+
+
+def test_integer_pow_from_jaxpr():
+    assert traced(lambda x: x**3, jnp.ones((8, 4)), primitive="integer_pow") == "([i, j])->([i, j]) {i=8, j=4}"
+
+
+# -- structural --------------------------------------------------------------
+
+
+def test_broadcast_in_dim():
+    op = view("broadcast_in_dim", [(8, 1)], [(8, 2, 4)], {"shape": (8, 2, 4), "broadcast_dimensions": (0, 2)})
+    assert golden(op) == "([i, j])->([i, k, l]) {i=8, j=1, k=2, l=4} linear={(0)}"
+    scalar = view("broadcast_in_dim", [()], [(8, 4)], {"shape": (8, 4), "broadcast_dimensions": ()})
+    assert golden(scalar) == "([])->([i, j]) {i=8, j=4} linear={(0)}"
+
+
+def test_reshape_split_and_merge():
+    split = view("reshape", [(32,)], [(4, 8)], {"new_sizes": (4, 8), "dimensions": None})
+    merge = view("reshape", [(4, 8)], [(32,)], {"new_sizes": (32,), "dimensions": None})
+    assert golden(split) == "([ij])->([i, j]) {i=4, j=8} linear={(0)}"
+    assert golden(merge) == "([i, j])->([ij]) {i=4, j=8} linear={(0)}"
+
+
+def test_reshape_attention_heads():
+    op = view("reshape", [(2, 8, 64)], [(2, 8, 4, 16)], {"new_sizes": (2, 8, 4, 16), "dimensions": None})
+    assert golden(op) == "([i, j, kl])->([i, j, k, l]) {i=2, j=8, k=4, l=16} linear={(0)}"
+
+
+def test_reshape_general_greedy():
+    op = view("reshape", [(6, 4)], [(2, 12)], {"new_sizes": (2, 12), "dimensions": None})
+    assert golden(op) == "([ij, k])->([i, jk]) {i=2, j=3, k=4} linear={(0)}"
+
+
+def test_reshape_unmatched_dims_need_replication():
+    op = view("reshape", [(2, 3)], [(3, 2)], {"new_sizes": (3, 2), "dimensions": None})
+    assert golden(op) == "([i, j])->([k, l]) {i=2, j=3, k=3, l=2} need_replication={i, j, k, l} linear={(0)}"
+
+
+def test_reshape_size1_and_size0_dims():
+    op = view("reshape", [(8, 1, 4)], [(1, 32)], {"new_sizes": (1, 32), "dimensions": None})
+    assert golden(op) == "([i, j, k])->([l, ik]) {i=8, j=1, k=4, l=1} linear={(0)}"
+    empty = view("reshape", [(0, 4)], [(4, 0)], {"new_sizes": (4, 0), "dimensions": None})
+    assert golden(empty) == "([i, j])->([k, l]) {i=0, j=4, k=4, l=0} need_replication={j, k}"
+
+
+def test_transpose_squeeze_expand():
+    assert golden(view("transpose", [(2, 8, 4)], [(4, 2, 8)], {"permutation": (2, 0, 1)})) == (
+        "([i, j, k])->([k, i, j]) {i=2, j=8, k=4} linear={(0)}"
+    )
+    assert golden(view("squeeze", [(8, 1, 4)], [(8, 4)], {"dimensions": (1,)})) == (
+        "([i, j, k])->([i, k]) {i=8, j=1, k=4} linear={(0)}"
+    )
+    assert traced(lambda x: jnp.expand_dims(x, 1), jnp.ones((8, 4)), primitive="broadcast_in_dim") == (
+        "([i, j])->([i, k, j]) {i=8, j=4, k=1} linear={(0)}"
+    )
+
+
+def test_concatenate_and_slice():
+    cat = view("concatenate", [(8, 4), (8, 2)], [(8, 6)], {"dimension": 1})
+    assert golden(cat) == "([i, j], [i, k])->([i, l]) {i=8, j=4, k=2, l=6} need_replication={j, k, l} linear={(0, 1)}"
+    sl = view("slice", [(8, 4)], [(8, 2)], {"start_indices": (0, 1), "limit_indices": (8, 3), "strides": None})
+    assert golden(sl) == "([i, j])->([i, k]) {i=8, j=4, k=2} need_replication={j, k} linear={(0)}"
+
+
+def test_pad_rev_split_dynamic_slices():
+    assert traced(lambda x: jnp.pad(x, ((0, 0), (1, 2))), jnp.ones((8, 4)), primitive="pad") == (
+        "([i, j], [])->([i, k]) {i=8, j=4, k=7} need_replication={j, k} linear={(0, 1)}"
+    )
+    assert traced(lambda x: x[:, ::-1], jnp.ones((8, 4)), primitive="rev") == (
+        "([i, j])->([i, j]) {i=8, j=4} need_replication={j} linear={(0)}"
+    )
+    assert traced(lambda x: jnp.split(x, 2, axis=1), jnp.ones((8, 4)), primitive="split") == (
+        "([i, j])->([i, k], [i, l]) {i=8, j=4, k=2, l=2} need_replication={j, k, l} linear={(0)}"
+    )
+    assert traced(lambda x, i: lax.dynamic_slice(x, (0, i), (8, 2)), jnp.ones((8, 4)), 1, primitive="dynamic_slice") == (
+        "([i, j], [], [])->([i, k]) {i=8, j=4, k=2} need_replication={j, k} linear={(0)}"
+    )
+    dus = traced(
+        lambda x, u, i: lax.dynamic_update_slice(x, u, (0, i)),
+        jnp.ones((8, 4)),
+        jnp.ones((8, 2)),
+        1,
+        primitive="dynamic_update_slice",
+    )
+    assert dus == "([i, j], [i, k], [], [])->([i, j]) {i=8, j=4, k=2} need_replication={j, k} linear={(0, 1)}"
+
+
+def test_iota_has_result_only_factors():
+    op = view("iota", [], [(8, 4)], {"dtype": jnp.int32, "shape": (8, 4), "dimension": 0, "sharding": None})
+    assert golden(op) == "()->([i, j]) {i=8, j=4}"
+
+
+# -- contraction -------------------------------------------------------------
+
+
+def test_matmul():
+    op = view("dot_general", [(8, 4), (4, 16)], [(8, 16)], {"dimension_numbers": (((1,), (0,)), ((), ()))})
+    rule = rule_for(op)
+    assert str(rule) == "([i, j], [j, k])->([i, k]) {i=8, j=4, k=16} reduction={j} linear={(0), (1)}"
+    assert rule.flops == 2 * 8 * 4 * 16
+
+
+def test_dot_general_batch_contracting_free():
+    op = view(
+        "dot_general", [(2, 8, 4, 3), (2, 4, 5)], [(2, 8, 3, 5)], {"dimension_numbers": (((2,), (1,)), ((0,), (0,)))}
+    )
+    assert golden(op) == "([i, j, k, l], [i, k, m])->([i, j, l, m]) {i=2, j=8, k=4, l=3, m=5} reduction={k} linear={(0), (1)}"
+
+
+# -- reductions --------------------------------------------------------------
+
+
+def test_reductions():
+    s = view("reduce_sum", [(8, 16)], [(8,)], {"axes": (1,), "out_sharding": None})
+    m = view("reduce_max", [(8, 16)], [(16,)], {"axes": (0,)})
+    a = view("argmax", [(8, 16)], [(8,)], {"axes": (1,), "index_dtype": jnp.int32}, out_dtypes=[jnp.int32])
+    assert golden(s) == "([i, j])->([i]) {i=8, j=16} reduction={j} linear={(0)}"
+    assert golden(m) == "([i, j])->([j]) {i=8, j=16} reduction={i}(max)"
+    assert golden(a) == "([i, j])->([i]) {i=8, j=16} need_replication={j}"
+    assert rule_for(s).flops == 128
+
+
+def test_reduce_to_scalar_and_min():
+    assert golden(view("reduce_min", [(4, 8)], [()], {"axes": (0, 1)})) == "([i, j])->([]) {i=4, j=8} reduction={i, j}(min)"
+
+
+def test_scans_and_sorts():
+    assert traced(lambda x: jnp.cumsum(x, 1), jnp.ones((8, 4)), primitive="cumsum") == (
+        "([i, j])->([i, j]) {i=8, j=4} need_replication={j} linear={(0)}"
+    )
+    assert traced(lambda x: lax.top_k(x, 2), jnp.ones((8, 4)), primitive="top_k") == (
+        "([i, j])->([i, k], [i, k]) {i=8, j=4, k=2} need_replication={j, k}"
+    )
+
+
+# -- indexing ----------------------------------------------------------------
+
+
+def test_embedding_lookup_is_vocab_parallel():
+    out = traced(lambda w, t: w[t], jnp.ones((64, 16)), jnp.ones((4, 8), jnp.int32), primitive="gather")
+    assert out == "([i, j], [k, l, m])->([k, l, j]) {i=64, j=16, k=4, l=8, m=1} reduction={i} linear={(0)}"
+
+
+def test_embedding_gradient_scatter_add():
+    grad = jax.grad(lambda w, t: w[t].sum())
+    out = traced(grad, jnp.ones((64, 16)), jnp.ones((4, 8), jnp.int32), primitive="scatter-add")
+    assert out == "([i, j], [k, l, m], [k, l, j])->([i, j]) {i=64, j=16, k=4, l=8, m=1} reduction={k, l} linear={(0, 2)}"
+
+
+def test_take_along_axis_batching_dims():
+    fn = lambda x, i: jnp.take_along_axis(x, i, axis=-1)  # noqa: E731
+    out = traced(fn, jnp.ones((4, 8, 50)), jnp.ones((4, 8, 1), jnp.int32), primitive="gather")
+    assert out == "([i, j, k], [i, j, l, m])->([i, j, l]) {i=4, j=8, k=50, l=1, m=1} reduction={k} linear={(0)}"
+
+
+def test_gather_of_a_row_window_needs_replication():
+    fn = lambda x, i: lax.dynamic_slice_in_dim(x, i, 2, axis=0)  # noqa: E731
+    vmapped = jax.vmap(fn, in_axes=(None, 0))
+    out = traced(vmapped, jnp.ones((16, 8)), jnp.ones((4,), jnp.int32), primitive="gather")
+    # rows: a 2-wide window needs replication; columns: a full-width window passes through
+    assert out == "([i, j], [k, l])->([k, m, j]) {i=16, j=8, k=4, l=2, m=2} need_replication={i, l, m} linear={(0)}"
+
+
+# -- registry, fallback, printed form ---------------------------------------
+
+
+def test_fallback_replicates_everything():
+    op = view("fft", [(8, 4)], [(8, 4)], {})
+    assert rule_for(op) is None
+    assert str(fallback_rule(op)) == "([i, j])->([k, l]) {i=8, j=4, k=8, l=4} need_replication={i, j, k, l}"
+    assert fallback_rule(op).strategies(MeshSpec.parse("a=2,b=4"))[0].work_split == 1
+    assert len(fallback_rule(op).strategies(MeshSpec.parse("a=2,b=4"))) == 1
+
+
+def test_rule_for_unknown_params_falls_back():
+    assert rule_for(view("reshape", [(4, 8)], [(32,)], {"new_sizes": (32,), "dimensions": (1, 0)})) is None
+    assert rule_for(view("transpose", [(4, 8)], [(8, 4)], {})) is None
+
+
+def test_gpt2_primitives_have_rules():
+    needed = {
+        "dot_general", "add", "sub", "mul", "div", "neg", "max", "exp", "log", "tanh", "logistic", "rsqrt",
+        "integer_pow", "broadcast_in_dim", "reshape", "transpose", "reduce_sum", "reduce_max", "gather",
+        "scatter-add", "iota", "select_n", "convert_element_type", "concatenate", "slice", "squeeze",
+        "argmax", "stop_gradient", "eq", "lt", "ge", "add_any", "copy", "square", "sqrt", "erf", "pow",
+    }  # fmt: skip
+    assert needed <= set(RULES)
+
+
+def test_strategies_of_a_rule_on_a_mesh():
+    op = view("dot_general", [(8, 4), (4, 8)], [(8, 8)], {"dimension_numbers": (((1,), (0,)), ((), ()))})
+    got = [s.describe() for s in rule_for(op).strategies(MeshSpec.parse("x=2"))]
+    assert got == ["replicated", "i:x", "j:x", "k:x", "partial[x]<-g0", "partial[x]<-g1"]
+    fixed = [s.describe() for s in rule_for(op).strategies(MeshSpec.parse("x=2"), fixed_operands=(1,))]
+    assert "partial[x]<-g1" not in fixed
+
+
+def _factor_lists(draw, factors: list[str]) -> list[list[str]]:
+    dims = []
+    for _ in range(draw(st.integers(0, 3))):
+        dims.append(draw(st.lists(st.sampled_from(factors), min_size=1, max_size=2, unique=True)))
+    return dims
+
+
+@st.composite
+def rules(draw) -> Rule:
+    n = draw(st.integers(1, 6))
+    factors = [f"f{k}" for k in range(n)]
+    sizes = {f: draw(st.sampled_from([0, 1, 2, 3, 4, 8])) for f in factors}
+    operands = [_factor_lists(draw, factors) for _ in range(draw(st.integers(0, 3)))]
+    results = [_factor_lists(draw, factors) for _ in range(draw(st.integers(1, 2)))]
+    used = {f for group in operands + results for d in group for f in d}
+    in_results = {f for group in results for d in group for f in d}
+    reducible = sorted(used - in_results)
+    reduction = draw(st.lists(st.sampled_from(reducible), unique=True)) if reducible else []
+    need = draw(st.lists(st.sampled_from(sorted(used)), unique=True)) if used else []
+    linear = draw(st.lists(st.lists(st.integers(0, 5), min_size=1, max_size=3, unique=True), max_size=2))
+    reduce_op = draw(st.sampled_from(["sum", "max", "min"])) if reduction else "sum"
+    return Rule.build(
+        operands, results, sizes, reduction=reduction, need_replication=need, reduce_op=reduce_op, linear=linear
+    )
+
+
+@settings(max_examples=200, deadline=None)
+@given(rules())
+def test_printed_form_round_trips(rule: Rule):
+    text = str(rule)
+    parsed = Rule.parse(text)
+    assert parsed == rule
+    assert str(parsed) == text
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.sampled_from([1, 2, 3, 4, 6, 8]), min_size=0, max_size=4), st.randoms(use_true_random=False))
+def test_reshape_factorization_covers_both_shapes(in_shape, rnd):
+    total = 1
+    for n in in_shape:
+        total *= n
+    out_shape = []
+    rest = total
+    while rest > 1:
+        divisors = [d for d in range(2, rest + 1) if rest % d == 0]
+        d = rnd.choice(divisors)
+        out_shape.append(d)
+        rest //= d
+    if rnd.random() < 0.3:
+        out_shape.insert(rnd.randrange(len(out_shape) + 1), 1)
+    ins, outs, replicate = factorize_reshape(in_shape, out_shape)
+    for shape, dims in ((in_shape, ins), (out_shape, outs)):
+        for n, d in zip(shape, dims):
+            prod = 1
+            for _, size in d:
+                prod *= size
+            assert prod == n
+    shared_in = [f for d in ins for f, _ in d if f not in replicate]
+    shared_out = [f for d in outs for f, _ in d if f not in replicate]
+    # shared factors appear in the same (major to minor) order on both sides
+    assert [f for f in shared_in if f in shared_out] == [f for f in shared_out if f in shared_in]
+    op = view("reshape", [in_shape], [out_shape], {"new_sizes": tuple(out_shape), "dimensions": None})
+    golden(op)
+
+
+@pytest.mark.parametrize("name", sorted(RULES))
+def test_every_registered_rule_matches_shapes_on_a_sample(name):
+    """Registered rules build for a plain op of their family (where one is easy to write)."""
+    from shardsolve.rules import elementwise
+
+    if name in elementwise.POINTWISE:
+        ins = [(), (8, 4), ()] if name == "clamp" else [(8, 4), (8, 4)]
+        golden(view(name, ins, [(8, 4)]))
+
+
+def test_linear_groups_respect_dtypes():
+    i32, b = jnp.int32, jnp.bool_
+    assert "linear" not in golden(view("div", [(4,), (4,)], [(4,)], in_dtypes=[i32, i32], out_dtypes=[i32]))
+    assert "linear" not in golden(view("select_n", [(4,), (4,), (4,)], [(4,)], in_dtypes=[b, b, b], out_dtypes=[b]))
+    assert golden(view("add", [(4,), (4,)], [(4,)], in_dtypes=[i32, i32], out_dtypes=[i32])).endswith("linear={(0, 1)}")
+
+
+def test_rule_for_reuses_rules_of_repeated_equations():
+    op = view("dot_general", [(8, 4), (4, 8)], [(8, 8)], {"dimension_numbers": (((1,), (0,)), ((), ()))})
+    again = view("dot_general", [(8, 4), (4, 8)], [(8, 8)], {"dimension_numbers": (((1,), (0,)), ((), ()))})
+    assert rule_for(op) is rule_for(again)
