@@ -17,6 +17,8 @@ from shardsolve.mesh import MeshAxis, MeshSpec
 from shardsolve.model import Model, load_model
 from shardsolve.plan import Cost, OpPlan, Plan, PredictedCollective, load_plan
 from shardsolve.sharding import Sharding
+from shardsolve.lower import lower
+from shardsolve.verify import VerifyReport, verify
 
 # Bound last: the function ``shardsolve.plan`` shadows the module ``shardsolve.plan``
 # as an attribute (import from the module with ``from shardsolve.plan import ...``).
@@ -36,9 +38,12 @@ __all__ = [
     "PredictedCollective",
     "Sharding",
     "ShardsolveError",
+    "VerifyReport",
     "__version__",
     "compare",
     "load_model",
     "load_plan",
+    "lower",
     "plan",
+    "verify",
 ]

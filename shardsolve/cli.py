@@ -156,6 +156,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--time-limit", type=float, default=60.0, help="seconds (default: 60)")
     p.add_argument("--out", help="write {solution, cost, lower_bound, status} as JSON to this file")
     p.set_defaults(func=cmd_iopddl)
+
+    from shardsolve.cli_compare import add_parsers  # compare, explain
+
+    add_parsers(sub)
+
+    from shardsolve.cli_verify import add_verify_parser  # verify
+
+    add_verify_parser(sub)
     return parser
 
 

@@ -308,8 +308,11 @@ class _RuleStrategies:
 def predicted_collectives(graph: Graph, built: Built, assignment: Sequence[int], mesh: MeshSpec):
     """The collectives a solution implies, one reshard per (value, demanded sharding).
 
-    A value read twice in the same sharding is resharded once: this is the
-    rewriter's reshard cache, so the prediction matches the lowered program.
+    A value read twice in the same sharding is resharded once, and a reshard
+    whose path (``cost.reshard_steps``) passes through a sharding the value
+    already has in the program starts from there: this is the rewriter's
+    reshard cache (keyed by value and sharding, intermediate steps included),
+    so the prediction matches the lowered program.
     """
     from shardsolve.cost import collective_time, reshard_steps
     from shardsolve.plan import PredictedCollective
@@ -326,11 +329,13 @@ def predicted_collectives(graph: Graph, built: Built, assignment: Sequence[int],
     def demand(vid: int, target: Sharding, consumer: str) -> None:
         if (vid, target) in done:
             return
-        done.add((vid, target))
         value = values[vid]
         steps = reshard_steps(value.shape, value.itemsize, current[vid], target, mesh)
         assert steps is not None, (value.name, current[vid], target)
         for step in steps:
+            if (vid, step.dst) in done:  # this layout of the value is already in the program
+                continue
+            done.add((vid, step.dst))
             if step.is_collective:
                 out.append(
                     PredictedCollective(
@@ -511,8 +516,7 @@ def plan(
     say(f"building the problem ({len(graph.ops)} operations)")
     built = build_problem(graph, mesh_spec, in_pins, out_pins, limit, ties)
     say(f"solving ({len(built.problem.nodes)} nodes, {built.problem.num_strategies} strategies)")
-    solution = solve(built.problem, time_limit=time_limit, seed=seed,
-                     progress=(lambda msg, best, bound: say(f"solving: {msg}")) if progress else None)
+    solution = solve(built.problem, time_limit=time_limit, seed=seed, progress=_solver_progress(say) if progress else None)
     if solution.status in ("infeasible", "unknown") or not math.isfinite(solution.cost):
         if solution.status == "unknown":
             raise ShardsolveError(
@@ -526,6 +530,26 @@ def plan(
         )
     say("done")
     return to_plan(graph, built, solution, mesh_spec, fun, source)
+
+
+def _solver_progress(say: Callable[[str], None], every: float = 0.25) -> Callable[[str, float, float], None]:
+    """Turn the solver's frequent callbacks into at most one status line per ``every`` seconds."""
+    import time
+
+    last = [0.0, ""]
+
+    def report(message: str, best: float, bound: float) -> None:
+        now = time.monotonic()
+        if message == last[1] and now - last[0] < every:
+            return
+        last[0], last[1] = now, message
+        detail = f"solving: {message}"
+        if math.isfinite(best):
+            gap = (best - bound) / best if best > 0 and math.isfinite(bound) else math.inf
+            detail += f", best {best * 1e3:.4f} ms" + (f", gap {gap:.1%}" if math.isfinite(gap) else "")
+        say(detail)
+
+    return report
 
 
 def _leaf_ranges(tree_def: Any) -> list[tuple[int, int]] | None:

@@ -1,0 +1,622 @@
+"""shardsolve's plan beside GSPMD and Shardy propagation, judged on JAX's compiled output.
+
+From one set of annotations, ``compare`` compiles (never runs) several programs
+for the same concrete mesh and judges each one the same way:
+
+=============  ==========================================================================
+column         program
+=============  ==========================================================================
+``shardy``     ``jax.jit(fun, in_shardings=..., out_shardings=...)``, Shardy propagation
+``gspmd``      the same with GSPMD propagation (``jax_use_shardy_partitioner=False``)
+``shardsolve`` ``shardsolve.plan(...).jit()``: every intermediate pinned to the plan
+``expert``     optional: ``jax.jit`` with a hand-written annotation, Shardy propagation
+=============  ==========================================================================
+
+Each compiled program is read, not trusted: per-device FLOPs and bytes accessed
+from ``compiled.cost_analysis()``, per-device memory from
+``compiled.memory_analysis()`` (argument + output + temp - alias), and the
+collectives from the optimized HLO (``shardsolve.hlo``). Then the one cost model
+(``shardsolve.cost``) prices every column alike::
+
+    compute        = cost.compute_time(flops, bytes_accessed, mesh)
+    communication  = sum(cost.collective_time(c.kind, c.axes, c.bytes, mesh) for c in collectives)
+    step time      = compute + communication
+    fits           = peak_memory <= memory_limit
+
+A column that fails (JAX rejects an annotation, the solver finds no plan, XLA
+fails to compile) keeps JAX's (or the planner's) reason in one line and the
+other columns go on.
+
+    >>> cmp = shardsolve.compare(step, params, batch, mesh="data=2,model=4",
+    ...                          in_shardings=(None, P("data")))       # doctest: +SKIP
+    >>> cmp["shardy"].total, cmp["shardsolve"].total                  # doctest: +SKIP
+    >>> cmp.speedup("shardsolve", cmp.best_propagation().name)        # doctest: +SKIP
+
+Arguments may be ``jax.ShapeDtypeStruct``s at realistic sizes: nothing runs, so
+nothing is allocated. The mesh must be concrete (``mesh.size`` devices present);
+on a CPU-only machine set ``XLA_FLAGS=--xla_force_host_platform_device_count=N``
+before JAX starts its backend (the ``shardsolve compare`` command does that).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import re
+import sys
+import tempfile
+import time
+import warnings
+from collections import Counter
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Iterator, Sequence
+
+from shardsolve.cost import collective_time, compute_time
+from shardsolve.errors import ShardsolveError
+from shardsolve.mesh import MeshAxis, MeshSpec, as_mesh_spec
+
+COLUMNS = ("gspmd", "shardy", "shardsolve", "expert")
+PROPAGATION = ("gspmd", "shardy")
+LABELS = {
+    "gspmd": "GSPMD",
+    "shardy": "Shardy",
+    "shardsolve": "shardsolve",
+    "expert": "expert",
+}
+_GSPMD_WARNING = re.compile(r"GSPMD sharding propagation is going to be deprecated|consider migrating to Shardy")
+
+
+# -- results ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Memory:
+    """``compiled.memory_analysis()`` of one device, bytes."""
+
+    argument: int = 0
+    output: int = 0
+    temp: int = 0
+    alias: int = 0
+
+    @property
+    def peak(self) -> int:
+        return self.argument + self.output + self.temp - self.alias
+
+    def to_json(self) -> dict:
+        return {"argument": self.argument, "output": self.output, "temp": self.temp, "alias": self.alias}
+
+
+@dataclass(frozen=True, slots=True)
+class Column:
+    """One compiled program, judged by the one cost model (seconds and bytes per device)."""
+
+    name: str  # one of COLUMNS (or a caller's own label)
+    label: str  # for tables: "GSPMD", "Shardy", "shardsolve", "expert"
+    error: str = ""  # one line when this column failed; everything below is then empty
+    flops: float = 0.0  # per device, from cost_analysis()
+    bytes_accessed: float = 0.0  # per device, from cost_analysis()
+    compute: float = 0.0
+    communication: float = 0.0
+    memory: Memory = field(default_factory=Memory)
+    fits: bool | None = None  # None when no memory limit was given
+    collectives: tuple = ()  # hlo.HloCollective, in HLO text order
+    compile_time: float = 0.0
+    in_specs: tuple[str, ...] = ()  # the compiled program's input shardings, per flattened argument
+    out_specs: tuple[str, ...] = ()
+    hlo: str = field(default="", repr=False, compare=False)  # optimized HLO text, for explanations
+
+    @property
+    def ok(self) -> bool:
+        return not self.error
+
+    @property
+    def total(self) -> float:
+        """Estimated step time: compute + communication (``inf`` when the column failed)."""
+        return self.compute + self.communication if self.ok else math.inf
+
+    @property
+    def peak_memory(self) -> int:
+        return self.memory.peak
+
+    @property
+    def bytes_by_kind(self) -> tuple[tuple[str, int], ...]:
+        by_kind: Counter = Counter()
+        for c in self.collectives:
+            if c.axes:
+                by_kind[c.kind] += c.bytes
+        return tuple(sorted(by_kind.items()))
+
+    @property
+    def communication_bytes(self) -> int:
+        return sum(b for _, b in self.bytes_by_kind)
+
+    def to_json(self) -> dict:
+        d: dict[str, Any] = {"name": self.name, "label": self.label}
+        if self.error:
+            d["error"] = self.error
+            return d
+        d.update(
+            {
+                "total": self.total,
+                "compute": self.compute,
+                "communication": self.communication,
+                "flops": self.flops,
+                "bytes_accessed": self.bytes_accessed,
+                "memory": self.memory.to_json(),
+                "peak_memory": self.peak_memory,
+                "fits": self.fits,
+                "bytes_by_kind": dict(self.bytes_by_kind),
+                "collectives": [
+                    {"kind": c.kind, "axes": list(c.axes), "bytes": c.bytes, "shape": c.shape, "op_name": c.op_name}
+                    for c in self.collectives
+                ],
+                "compile_time": self.compile_time,
+                "in_specs": list(self.in_specs),
+                "out_specs": list(self.out_specs),
+            }
+        )
+        return d
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """Columns side by side; ``cmp["shardy"]`` is one ``Column``."""
+
+    mesh: MeshSpec
+    columns: tuple[Column, ...]
+    memory_limit: float | None = None
+    plan: Any = None  # the shardsolve Plan, when planning succeeded
+    annotations: str = ""  # what was pinned, for reports
+    in_pins: tuple = ()  # Sharding or None per flattened argument (when the plan's trace is known)
+    out_pins: tuple = ()  # ... per flattened output
+
+    def __getitem__(self, name: str) -> Column:
+        for c in self.columns:
+            if c.name == name:
+                return c
+        raise KeyError(f"no column {name!r}; columns are {[c.name for c in self.columns]}")
+
+    def __contains__(self, name: object) -> bool:
+        return any(c.name == name for c in self.columns)
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(c.name for c in self.columns)
+
+    def best_propagation(self) -> Column | None:
+        """The faster of the GSPMD and Shardy columns that compiled (fitting the limit first)."""
+        cands = [self[n] for n in PROPAGATION if n in self and self[n].ok]
+        if not cands:
+            return None
+        return min(cands, key=lambda c: (c.fits is False, c.total))
+
+    def speedup(self, name: str, baseline: str) -> float:
+        """``baseline.total / name.total``: above 1 means ``name`` is faster (nan if either failed)."""
+        a, b = self[name], self[baseline]
+        if not (a.ok and b.ok) or a.total <= 0:
+            return math.nan
+        return b.total / a.total
+
+    def to_json(self) -> dict:
+        return {
+            "mesh": str(self.mesh),
+            "memory_limit": self.memory_limit,
+            "annotations": self.annotations,
+            "columns": [c.to_json() for c in self.columns],
+        }
+
+
+# -- judging one compiled program ---------------------------------------------------
+
+
+def one_line(e: BaseException) -> str:
+    """``"IndivisibleError: Sharding ... should evenly divide the shape"``: the first meaningful line."""
+    text = str(e).strip()
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    first = lines[0] if lines else ""
+    # XLA errors often start with a status code line ("INTERNAL: ..."); keep it, it says what failed.
+    if len(first) > 400:
+        first = first[:397] + "..."
+    return f"{type(e).__name__}: {first}" if first else type(e).__name__
+
+
+def _cost_dict(compiled) -> dict:
+    ca = compiled.cost_analysis()
+    if isinstance(ca, (list, tuple)):  # older JAX: one dict per program
+        ca = ca[0] if ca else {}
+    return dict(ca or {})
+
+
+def _memory(compiled) -> Memory:
+    ma = compiled.memory_analysis()
+    if ma is None:
+        return Memory()
+    return Memory(
+        int(getattr(ma, "argument_size_in_bytes", 0)),
+        int(getattr(ma, "output_size_in_bytes", 0)),
+        int(getattr(ma, "temp_size_in_bytes", 0)),
+        int(getattr(ma, "alias_size_in_bytes", 0)),
+    )
+
+
+def communication_time(collectives: Sequence, mesh: MeshSpec) -> float:
+    """Seconds of the given collectives under the cost model (``hlo.HloCollective`` or predicted ones)."""
+    return sum(hlo_collective_time(c, mesh) for c in collectives)
+
+
+def hlo_collective_time(c, mesh: MeshSpec) -> float:
+    """``cost.collective_time`` of one parsed collective.
+
+    ``shardsolve.hlo`` names groups that span part of an axis Shardy-style
+    (``"model:(1)2"``) and irregular groups ``"?"``; those are priced as an axis
+    of the group's size with the links of the axis they lie in (for ``"?"``,
+    the slowest link of the mesh and the latency of all axes).
+    """
+    axes = tuple(c.axes)
+    if all(a in mesh.names for a in axes):
+        return collective_time(c.kind, axes, c.bytes, mesh)
+    extra: list[MeshAxis] = []
+    names: list[str] = []
+    for k, a in enumerate(axes):
+        if a in mesh.names:
+            names.append(a)
+            continue
+        m = re.fullmatch(r"([A-Za-z_][A-Za-z0-9_]*):\((\d+)\)(\d+)", a)
+        if m and m.group(1) in mesh.names:
+            base = mesh.axis(m.group(1))
+            extra.append(MeshAxis(f"_sub{k}", int(m.group(3)), base.bandwidth, base.latency))
+        else:
+            size = _irregular_group_size(c, mesh)
+            extra.append(
+                MeshAxis(f"_irregular{k}", size, min(x.bandwidth for x in mesh.axes), sum(x.latency for x in mesh.axes))
+            )
+        names.append(extra[-1].name)
+    priced = MeshSpec(mesh.axes + tuple(extra), peak_flops=mesh.peak_flops, hbm_bandwidth=mesh.hbm_bandwidth)
+    return collective_time(c.kind, tuple(names), c.bytes, priced)
+
+
+def _irregular_group_size(c, mesh: MeshSpec) -> int:
+    from shardsolve.hlo import parse_replica_groups
+
+    if c.kind == "collective-permute":
+        return 2
+    try:
+        groups = parse_replica_groups(c.groups, mesh.size)
+        return max(1, max(len(g) for g in groups))
+    except (ValueError, IndexError, AttributeError):
+        return mesh.size
+
+
+def judge(
+    name: str,
+    compiled,
+    mesh: MeshSpec,
+    memory_limit: float | None = None,
+    *,
+    label: str | None = None,
+    compile_time: float = 0.0,
+) -> Column:
+    """Read one compiled program and price it with the one cost model."""
+    from shardsolve.hlo import collectives_from_hlo
+
+    costs = _cost_dict(compiled)
+    flops = float(costs.get("flops", 0.0))
+    nbytes = float(costs.get("bytes accessed", 0.0))
+    memory = _memory(compiled)
+    text = compiled.as_text()
+    collectives = tuple(c for c in collectives_from_hlo(text, mesh) if c.axes)
+    fits = None if memory_limit is None else memory.peak <= memory_limit
+    return Column(
+        name=name,
+        label=label or LABELS.get(name, name),
+        flops=flops,
+        bytes_accessed=nbytes,
+        compute=compute_time(flops, nbytes, mesh),
+        communication=communication_time(collectives, mesh),
+        memory=memory,
+        fits=fits,
+        collectives=collectives,
+        compile_time=compile_time,
+        in_specs=_specs(getattr(compiled, "input_shardings", None)),
+        out_specs=_specs(getattr(compiled, "output_shardings", None)),
+        hlo=text,
+    )
+
+
+def _specs(shardings) -> tuple[str, ...]:
+    import jax
+
+    if shardings is None:
+        return ()
+    try:
+        leaves = jax.tree_util.tree_leaves(shardings)
+    except Exception:  # noqa: BLE001 - informational only
+        return ()
+    return tuple(str(getattr(s, "spec", s)) for s in leaves)
+
+
+def failed(name: str, reason: str, *, label: str | None = None) -> Column:
+    return Column(name=name, label=label or LABELS.get(name, name), error=reason)
+
+
+# -- GSPMD, quietly -------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _filtered_stderr(pattern: re.Pattern) -> Iterator[None]:
+    """Route file descriptor 2 through a file for the block, then replay all but ``pattern``'s lines.
+
+    XLA's C++ logging writes straight to descriptor 2, so ``sys.stderr`` alone cannot hold it back.
+    """
+    try:
+        fd = sys.stderr.fileno()
+    except (AttributeError, ValueError, OSError):
+        fd = 2
+    try:
+        sys.stderr.flush()
+    except (AttributeError, ValueError):
+        pass
+    saved = os.dup(fd)
+    with tempfile.TemporaryFile() as tmp:
+        os.dup2(tmp.fileno(), fd)
+        try:
+            yield
+        finally:
+            try:
+                sys.stderr.flush()
+            except (AttributeError, ValueError):
+                pass
+            os.dup2(saved, fd)
+            os.close(saved)
+            tmp.seek(0)
+            kept = [ln for ln in tmp.read().decode(errors="replace").splitlines(keepends=True) if not pattern.search(ln)]
+            if kept:
+                os.write(fd, "".join(kept).encode())
+
+
+@contextlib.contextmanager
+def gspmd_propagation() -> Iterator[None]:
+    """Select GSPMD propagation for the block (restored afterwards, even on error), without its warning."""
+    import jax
+
+    old = jax.config.jax_use_shardy_partitioner
+    with _filtered_stderr(_GSPMD_WARNING), warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        jax.config.update("jax_use_shardy_partitioner", False)
+        try:
+            yield
+        finally:
+            jax.config.update("jax_use_shardy_partitioner", old)
+
+
+@contextlib.contextmanager
+def shardy_propagation() -> Iterator[None]:
+    import jax
+
+    old = jax.config.jax_use_shardy_partitioner
+    jax.config.update("jax_use_shardy_partitioner", True)
+    try:
+        yield
+    finally:
+        jax.config.update("jax_use_shardy_partitioner", old)
+
+
+# -- annotations to jax.jit ------------------------------------------------------------
+
+
+def concrete_mesh(mesh: Any, spec: MeshSpec):
+    """A ``jax.sharding.Mesh`` with real devices for ``spec`` (or the user's own ``Mesh``)."""
+    import jax
+
+    if isinstance(mesh, jax.sharding.Mesh):
+        return mesh
+    for devices in (None, "cpu"):
+        try:
+            devs = jax.devices() if devices is None else jax.devices(devices)
+        except RuntimeError:
+            continue
+        if len(devs) >= spec.size:
+            return spec.jax_mesh(devs)
+    raise ShardsolveError(
+        f"compare compiles for mesh {spec}, which needs {spec.size} devices, but only {len(jax.devices())} are "
+        f"present; set XLA_FLAGS=--xla_force_host_platform_device_count={spec.size} before JAX starts "
+        f"(the `shardsolve compare` command does this)"
+    )
+
+
+def _flat_annotations(prefix: Any, tree_def: Any, what: str) -> list[Any]:
+    from shardsolve.planner import broadcast_annotations
+
+    return broadcast_annotations(prefix, tree_def, what)
+
+
+def _to_named(ann: Any, jmesh, ndim: int) -> Any:
+    """PartitionSpec / NamedSharding / shardsolve Sharding / None -> what ``jax.jit`` takes (None stays None)."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from shardsolve.sharding import Sharding
+
+    if ann is None:
+        return None
+    if isinstance(ann, NamedSharding):
+        return NamedSharding(jmesh, ann.spec)
+    if isinstance(ann, Sharding):
+        return NamedSharding(jmesh, ann.to_spec())
+    if isinstance(ann, PartitionSpec):
+        return NamedSharding(jmesh, ann)
+    raise ShardsolveError(f"annotation {ann!r} is not a PartitionSpec, NamedSharding or None")
+
+
+def jit_with(fun: Callable, args: Sequence[Any], jmesh, in_shardings: Any, out_shardings: Any):
+    """``jax.jit(fun)`` with the annotations as ``NamedSharding`` pytrees (None leaves left to propagation)."""
+    import jax
+
+    from shardsolve.trace import abstractify
+
+    abstract = tuple(jax.tree.map(abstractify, a) for a in args)
+    in_tree = jax.tree_util.tree_structure(abstract)
+    kwargs: dict[str, Any] = {}
+    if in_shardings is not None:
+        flat = _flat_annotations(in_shardings, in_tree, "in_shardings")
+        leaves = jax.tree_util.tree_leaves(abstract)
+        kwargs["in_shardings"] = jax.tree_util.tree_unflatten(
+            in_tree, [_to_named(a, jmesh, len(x.shape)) for a, x in zip(flat, leaves)]
+        )
+    if out_shardings is not None:
+        out_abstract = jax.eval_shape(fun, *abstract)
+        out_tree = jax.tree_util.tree_structure(out_abstract)
+        flat = _flat_annotations(out_shardings, out_tree, "out_shardings")
+        out_leaves = jax.tree_util.tree_leaves(out_abstract)
+        kwargs["out_shardings"] = jax.tree_util.tree_unflatten(
+            out_tree, [_to_named(a, jmesh, len(x.shape)) for a, x in zip(flat, out_leaves)]
+        )
+    return jax.jit(fun, **kwargs), abstract
+
+
+# -- compare ---------------------------------------------------------------------------
+
+
+def compile_column(
+    name: str,
+    build: Callable[[], Any],
+    mesh: MeshSpec,
+    memory_limit: float | None,
+    *,
+    gspmd: bool = False,
+    label: str | None = None,
+) -> Column:
+    """Compile ``build()`` (a jitted function and its arguments) and judge it; any failure lands in the column."""
+    ctx = gspmd_propagation() if gspmd else shardy_propagation()
+    t0 = time.perf_counter()
+    try:
+        with ctx:
+            jitted, args = build()
+            compiled = jitted.lower(*args).compile()
+    except Exception as e:  # noqa: BLE001 - a baseline's failure is a result, reported in its column
+        return failed(name, one_line(e), label=label)
+    elapsed = time.perf_counter() - t0
+    try:
+        return judge(name, compiled, mesh, memory_limit, label=label, compile_time=elapsed)
+    except Exception as e:  # noqa: BLE001
+        return failed(name, f"reading the compiled program failed: {one_line(e)}", label=label)
+
+
+def compare(
+    fun: Callable,
+    *args: Any,
+    mesh: Any,
+    in_shardings: Any = None,
+    out_shardings: Any = None,
+    memory_limit: Any = None,
+    time_limit: float | None = None,
+    expert_in_shardings: Any = None,
+    expert_out_shardings: Any = None,
+    progress: Callable[[str], None] | None = None,
+    columns: Sequence[str] = COLUMNS,
+    plan: Any = None,
+    seed: int = 0,
+) -> Comparison:
+    """Compile ``fun(*args)`` with GSPMD, Shardy and shardsolve's plan from the same annotations, and judge all alike.
+
+    ``expert_in_shardings`` (and ``expert_out_shardings``) add an ``expert``
+    column: ``jax.jit`` with that annotation under Shardy. ``plan`` reuses an
+    already made plan instead of planning again. ``memory_limit`` is passed to
+    the planner and sets each column's ``fits``. See the module docstring.
+    """
+    import shardsolve
+    from shardsolve.planner import _parse_memory
+
+    say = progress or (lambda message: None)
+    spec = as_mesh_spec(mesh)
+    limit = _parse_memory(memory_limit)
+    jmesh = concrete_mesh(mesh, spec)
+    unknown = [c for c in columns if c not in COLUMNS]
+    if unknown:
+        raise ShardsolveError(f"unknown comparison columns {unknown}; choose from {list(COLUMNS)}")
+
+    def baseline(ins: Any, outs: Any) -> Callable[[], Any]:
+        return lambda: jit_with(fun, args, jmesh, ins, outs)
+
+    out: list[Column] = []
+    for name in columns:
+        if name == "gspmd":
+            say("compiling with GSPMD propagation")
+            out.append(compile_column("gspmd", baseline(in_shardings, out_shardings), spec, limit, gspmd=True))
+        elif name == "shardy":
+            say("compiling with Shardy propagation")
+            out.append(compile_column("shardy", baseline(in_shardings, out_shardings), spec, limit))
+        elif name == "expert":
+            if expert_in_shardings is None and expert_out_shardings is None:
+                continue
+            say("compiling the expert annotation")
+            out.append(compile_column("expert", baseline(expert_in_shardings, expert_out_shardings), spec, limit))
+        elif name == "shardsolve":
+            if plan is None:
+                say("planning with shardsolve")
+                try:
+                    plan = shardsolve.plan(
+                        fun, *args, mesh=spec, in_shardings=in_shardings, out_shardings=out_shardings,
+                        memory_limit=limit, time_limit=time_limit, seed=seed,
+                        progress=(lambda m: say(f"planning: {m}")) if progress else None,
+                    )
+                except ShardsolveError as e:
+                    out.append(failed("shardsolve", str(e).splitlines()[0] if str(e) else type(e).__name__))
+                    plan = None
+                    continue
+                except Exception as e:  # noqa: BLE001 - JAX may reject the program while tracing
+                    out.append(failed("shardsolve", one_line(e)))
+                    plan = None
+                    continue
+            say("compiling shardsolve's plan")
+            bound = plan
+
+            def build_plan() -> Any:
+                from shardsolve.trace import abstractify
+
+                import jax
+
+                jitted = bound.jit()
+                return jitted.flat, tuple(jax.tree_util.tree_leaves(jax.tree.map(abstractify, args)))
+
+            out.append(compile_column("shardsolve", build_plan, spec, limit))
+    say("done")
+    in_pins, out_pins = _pins(plan, spec, in_shardings, out_shardings)
+    return Comparison(spec, tuple(out), limit, plan, _describe(in_shardings), in_pins, out_pins)
+
+
+def _pins(plan, spec: MeshSpec, in_shardings: Any, out_shardings: Any) -> tuple[tuple, tuple]:
+    """The annotations as one ``Sharding`` (or None) per flattened argument and output of the plan's trace."""
+    if plan is None or plan.graph is None or plan.graph.traced is None:
+        return (), ()
+    from shardsolve.planner import _to_sharding
+
+    traced = plan.graph.traced
+    try:
+        ins = _flat_annotations(in_shardings, traced.in_tree, "in_shardings")
+        outs = _flat_annotations(out_shardings, traced.out_tree, "out_shardings")
+        in_pins = tuple(
+            _to_sharding(a, tuple(v.shape), spec, "in_shardings") for a, v in zip(ins, traced.in_avals)
+        )
+        out_pins = tuple(
+            _to_sharding(a, tuple(v.shape), spec, "out_shardings") for a, v in zip(outs, traced.out_avals)
+        )
+    except ShardsolveError:
+        return (), ()
+    return in_pins, out_pins
+
+
+def _describe(ann: Any) -> str:
+    import jax
+    from jax.sharding import PartitionSpec
+
+    if ann is None:
+        return "none"
+    leaves = jax.tree_util.tree_leaves(ann, is_leaf=lambda x: x is None or isinstance(x, PartitionSpec))
+    pinned = [x for x in leaves if x is not None]
+    return f"{len(pinned)} of {len(leaves)} annotation leaves pinned"
+
+
+def with_columns(cmp: Comparison, *extra: Column) -> Comparison:
+    """A comparison with more columns (e.g. shardsolve under a memory limit, judged the same way)."""
+    return replace(cmp, columns=cmp.columns + tuple(extra))
