@@ -96,6 +96,18 @@ def _nbytes(shape: Sequence[int], itemsize: int, sharding: Sharding, mesh: MeshS
     return sharding.local_bytes(shape, itemsize, mesh)
 
 
+def _uneven(shape: Sequence[int], axes: Sequence[str], d: int, mesh: MeshSpec) -> bool:
+    n = mesh.group_size(axes)
+    return n > 1 and shape[d] % n != 0
+
+
+def _padded_bytes(shape: Sequence[int], itemsize: int, sharding: Sharding, d: int, n: int, mesh: MeshSpec) -> int:
+    """Bytes of ``sharding``'s local buffer with dimension ``d`` padded up to a multiple of ``n``."""
+    local = list(sharding.local_shape(shape, mesh))
+    local[d] = -(-local[d] // n) * n
+    return math.prod(local) * itemsize
+
+
 @functools.lru_cache(maxsize=1 << 18)
 def reshard_steps(
     shape: tuple[int, ...], itemsize: int, src: Sharding, dst: Sharding, mesh: MeshSpec
@@ -134,6 +146,10 @@ def reshard_steps(
             for d, target in enumerate(dst.dims):
                 # Reduce-scatter along d while dst's next axis on d is pending here.
                 taken: list[str] = []
+                # An uneven split is only scattered into from an unsplit dimension (shard
+                # boundaries of nested uneven splits do not line up).
+                if cur_dims[d] and _uneven(shape, target, d, mesh):
+                    continue
                 while (
                     len(cur_dims[d]) + len(taken) < len(target)
                     and list(target[: len(cur_dims[d])]) == cur_dims[d]
@@ -143,7 +159,7 @@ def reshard_steps(
                     taken.append(target[len(cur_dims[d]) + len(taken)])
                 if taken:
                     before = state(cur_partial)
-                    in_bytes = _nbytes(shape, itemsize, before, mesh)
+                    in_bytes = _padded_bytes(shape, itemsize, before, d, mesh.group_size(taken), mesh)
                     cur_dims[d] = cur_dims[d] + taken
                     cur_partial = [a for a in cur_partial if a not in taken]
                     after = state(cur_partial)
@@ -157,6 +173,8 @@ def reshard_steps(
 
     def common_prefix(d: int) -> int:
         target = dst.dims[d]
+        if tuple(cur_dims[d]) != target and (_uneven(shape, cur_dims[d], d, mesh) or _uneven(shape, target, d, mesh)):
+            return 0  # uneven: gather the dimension whole, then slice (nested uneven shards do not line up)
         p = 0
         while p < len(cur_dims[d]) and p < len(target) and cur_dims[d][p] == target[p]:
             p += 1
@@ -182,7 +200,7 @@ def reshard_steps(
                     cur_dims[i] = cur_dims[i][:-1]
                     cur_dims[j] = cur_dims[j] + [axis]
                     after = state(())
-                    if not after.divides(shape, mesh) and before.divides(shape, mesh):
+                    if any(_uneven(shape, sh.dims[x], x, mesh) for sh in (before, after) for x in (i, j)):
                         # Keep to even splits; undo and gather instead.
                         cur_dims[i].append(axis)
                         cur_dims[j].pop()
@@ -201,9 +219,10 @@ def reshard_steps(
             gathered = cur_dims[d][p:]
             cur_dims[d] = cur_dims[d][:p]
             after = state(())
-            steps.append(
-                ReshardStep("all-gather", tuple(gathered), _nbytes(shape, itemsize, after, mesh), before, after, dim=d)
-            )
+            # The gathered buffer holds every shard, padding included, before it is trimmed.
+            nb = max(_nbytes(shape, itemsize, after, mesh), _padded_bytes(shape, itemsize, before, d, 1, mesh)
+                     * mesh.group_size(gathered))
+            steps.append(ReshardStep("all-gather", tuple(gathered), nb, before, after, dim=d))
 
     # (4) local slices for the axes dst adds.
     for d in range(len(cur_dims)):

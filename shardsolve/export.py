@@ -45,29 +45,76 @@ def pinned_function(plan, mesh: Any) -> Callable:
     """The plan's program over flat arguments, with every non-partial intermediate pinned."""
     _require_bound(plan)
     graph = plan.graph
-    op_plans = plan.ops
 
     def run(*flat_args):
-        env: dict[int, Any] = {}
-
-        def read(x):
-            return x.value if isinstance(x, Lit) else env[x]
-
-        for vid, x in zip(graph.inputs, flat_args):
-            env[vid] = x
-        for vid, c in zip(graph.consts, graph.const_values):
-            env[vid] = c
-        for op, op_plan in zip(graph.ops, op_plans):
-            outs = op.prim.bind(*map(read, op.inputs), **op.prim.get_bind_params(op.params))
-            if not op.prim.multiple_results:
-                outs = [outs]
-            for vid, out, sharding in zip(op.outputs, outs, op_plan.results):
-                if not sharding.partial and hasattr(out, "shape") and len(out.shape) == sharding.ndim:
-                    out = jax.lax.with_sharding_constraint(out, named(mesh, sharding))
-                env[vid] = out
-        return [read(x) for x in graph.outputs]
+        return _run_pinned(graph, plan.ops, list(flat_args), list(graph.const_values), mesh, "ss")
 
     return run
+
+
+def _pin(x: Any, sharding: Sharding, mesh: Any) -> Any:
+    if not sharding.partial and hasattr(x, "shape") and len(x.shape) == sharding.ndim:
+        return jax.lax.with_sharding_constraint(x, named(mesh, sharding))
+    return x
+
+
+def _run_pinned(graph, op_plans, args: list, consts: list, mesh: Any, scope: str) -> list:
+    """Evaluate ``graph`` (the program or a scan body) with every planned result pinned.
+
+    Scan ops planned with their body (``OpPlan.body``) are bound again as
+    ``jax.lax.scan`` of a body evaluated the same way, so the constraints sit
+    inside the loop too. Op ``k`` runs under ``jax.named_scope("ss{k}")`` in
+    the program and ``"b{k}"`` inside a scan body (so compiled ``op_name``s of a
+    body's collectives name the scan: ``ss5/.../b3``).
+    """
+    env: dict[int, Any] = {}
+
+    def read(x):
+        return x.value if isinstance(x, Lit) else env[x]
+
+    for vid, x in zip(graph.inputs, args):
+        env[vid] = x
+    for vid, c in zip(graph.consts, consts):
+        env[vid] = c
+    for op, op_plan in zip(graph.ops, op_plans):
+        # "ss{k}" names op k in the compiled HLO's op_name metadata (shardsolve.verify reads it).
+        with jax.named_scope(f"{scope}{op.id}"):
+            if op.primitive == "scan" and op_plan.length:
+                outs = _run_scan(graph, op, op_plan, [read(x) for x in op.inputs], mesh)
+            else:
+                outs = op.prim.bind(*map(read, op.inputs), **op.prim.get_bind_params(op.params))
+                if not op.prim.multiple_results:
+                    outs = [outs]
+            for vid, out, sharding in zip(op.outputs, outs, op_plan.results):
+                env[vid] = _pin(out, sharding, mesh)
+    return [read(x) for x in graph.outputs]
+
+
+def _run_scan(graph, op, op_plan, operands: list, mesh: Any) -> list:
+    """``jax.lax.scan`` of the op's body (``graph.body(op)``) with the body's planned shardings pinned."""
+    p = op.params
+    body = graph.body(op)
+    n_consts, n_carry = int(p["num_consts"]), int(p["num_carry"])
+    consts, carry, xs = operands[:n_consts], operands[n_consts:n_consts + n_carry], operands[n_consts + n_carry:]
+    boundary = op_plan.operands
+    carry_s = boundary[n_consts:n_consts + n_carry]
+    xs_s = [Sharding(s.dims[1:]) for s in boundary[n_consts + n_carry:]]
+    ys_s = [Sharding(s.dims[1:]) for s in op_plan.results[n_carry:]]
+    body_consts = list(body.const_values)
+    if op_plan.body_consts:
+        body_consts = [_pin(c, s, mesh) for c, s in zip(body_consts, op_plan.body_consts)]
+
+    def step(c, x):
+        c = [_pin(v, s, mesh) for v, s in zip(c, carry_s)]
+        x = [_pin(v, s, mesh) for v, s in zip(x, xs_s)]
+        outs = _run_pinned(body, op_plan.body, list(consts) + c + x, body_consts, mesh, "b")
+        new_c = [_pin(v, s, mesh) for v, s in zip(outs[:n_carry], carry_s)]
+        ys = [_pin(v, s, mesh) for v, s in zip(outs[n_carry:], ys_s)]
+        return new_c, ys
+
+    kw = {"reverse": bool(p.get("reverse", False)), "unroll": p.get("unroll", 1)}
+    new_carry, ys = jax.lax.scan(step, list(carry), list(xs), length=int(p["length"]), **kw)
+    return list(new_carry) + list(ys)
 
 
 def plan_jit(plan, **jit_kwargs) -> Callable:

@@ -88,10 +88,37 @@ class Graph:
     outputs: tuple[int | Lit, ...]  # value ids (or literals) of the flattened results
     traced: Traced | None = None
     consumers: dict[int, list[tuple[int, int]]] = field(default_factory=dict)  # value -> [(op, operand)]
+    _bodies: dict[int, Graph] = field(default_factory=dict, repr=False)  # scan op id -> body graph
+
+    def body(self, op: Op) -> Graph:
+        """The graph of a ``scan`` op's body, nested calls inlined (built once, then cached).
+
+        Its inputs are the body's consts, carry and x-slices (names
+        ``const[k]``, ``carry[k]``, ``xs[k]``); its outputs the carry-out and
+        y-slices. Op ids are local to the body.
+        """
+        hit = self._bodies.get(op.id)
+        if hit is None:
+            from shardsolve.trace import inline_closed
+
+            p = op.params
+            n_consts, n_carry = p["num_consts"], p["num_carry"]
+            n_in = len(p["jaxpr"].jaxpr.invars)
+            names = ([f"const[{k}]" for k in range(n_consts)] + [f"carry[{k}]" for k in range(n_carry)]
+                     + [f"xs[{k}]" for k in range(n_in - n_consts - n_carry)])
+            hit = self._bodies[op.id] = Graph.from_jaxpr(inline_closed(p["jaxpr"]), names)
+        return hit
 
     @classmethod
     def from_traced(cls, traced: Traced) -> Graph:
-        closed = traced.jaxpr
+        paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(
+            jax.tree_util.tree_unflatten(traced.in_tree, list(range(traced.in_tree.num_leaves)))
+        )[0]]
+        return cls.from_jaxpr(traced.jaxpr, [f"args{p}" for p in paths], traced)
+
+    @classmethod
+    def from_jaxpr(cls, closed: Any, input_names: list[str], traced: Traced | None = None) -> Graph:
+        """The graph of a closed jaxpr whose ``k``-th input is called ``input_names[k]``."""
         jaxpr = closed.jaxpr
         values: list[Value] = []
         ids: dict[Any, int] = {}
@@ -103,10 +130,7 @@ class Graph:
             ids[var] = vid
             return vid
 
-        paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(
-            jax.tree_util.tree_unflatten(traced.in_tree, list(range(traced.in_tree.num_leaves)))
-        )[0]]
-        inputs = tuple(new(v, kind="input", position=k, name=f"args{paths[k]}") for k, v in enumerate(jaxpr.invars))
+        inputs = tuple(new(v, kind="input", position=k, name=input_names[k]) for k, v in enumerate(jaxpr.invars))
         consts = tuple(new(v, kind="const", position=k, name=f"const[{k}]") for k, v in enumerate(jaxpr.constvars))
         ops: list[Op] = []
         for eqn in jaxpr.eqns:

@@ -45,9 +45,14 @@ class PredictedCollective:
     producer: str  # the operation (or argument) that made the value
     consumer: str  # the operation (or output) that demanded the target sharding
     target: Sharding  # the sharding the consumer demanded
+    # Runs of it: inside a scan body, the scan's length (times enclosing scans'). ``bytes`` is
+    # one run's (a compiled while loop shows its body's collectives once); ``time`` is all runs'.
+    repeats: int = 1
 
     def to_json(self) -> dict:
+        extra = {"repeats": self.repeats} if self.repeats != 1 else {}
         return {
+            **extra,
             "kind": self.kind,
             "axes": list(self.axes),
             "bytes": self.bytes,
@@ -66,7 +71,7 @@ class PredictedCollective:
         return cls(
             d["kind"], tuple(d["axes"]), int(d["bytes"]), float(d["time"]), int(d["value"]), d["value_name"],
             Sharding.from_json(d["src"]), Sharding.from_json(d["dst"]), d["producer"], d["consumer"],
-            Sharding.from_json(d["target"]),
+            Sharding.from_json(d["target"]), int(d.get("repeats", 1)),
         )
 
 
@@ -106,6 +111,13 @@ class OpPlan:
     results: tuple[Sharding, ...]
     strategy: str
     fallback: bool = False
+    # A scan whose body is planned once: the body's ops in order (``()`` otherwise). The
+    # boundary is in ``operands``/``results``: consts and carry as they are in the body (the
+    # carry in == out, a fixed point), xs/ys stacked (leading dimension unsplit; the body's
+    # slice drops it). ``length`` iterations; ``body_consts``: the body's closed-over constants.
+    body: tuple[OpPlan, ...] = ()
+    length: int = 0
+    body_consts: tuple[Sharding, ...] = ()
 
     def to_json(self) -> dict:
         d = {
@@ -116,6 +128,11 @@ class OpPlan:
         }
         if self.fallback:
             d["fallback"] = True
+        if self.length:
+            d["length"] = self.length
+            d["body"] = [o.to_json() for o in self.body]
+            if self.body_consts:
+                d["body_consts"] = [s.to_json() for s in self.body_consts]
         return d
 
     @classmethod
@@ -126,6 +143,9 @@ class OpPlan:
             tuple(Sharding.from_json(s) for s in d["results"]),
             d["strategy"],
             bool(d.get("fallback", False)),
+            tuple(OpPlan.from_json(o) for o in d.get("body", ())),
+            int(d.get("length", 0)),
+            tuple(Sharding.from_json(s) for s in d.get("body_consts", ())),
         )
 
 
@@ -194,6 +214,7 @@ class Plan:
     fallbacks: tuple[tuple[str, int], ...] = ()  # primitive -> number of ops that fell back
     stats: tuple[tuple[str, Any], ...] = ()
     source: str = ""  # e.g. "models/gpt2.py:gpt2 --size small", for the CLI
+    consts: tuple[Sharding, ...] = ()  # per closed-over constant of the traced program (lower lays them out)
     # Not serialised: the live program.
     fun: Callable | None = field(default=None, compare=False, repr=False)
     graph: Any = field(default=None, compare=False, repr=False)
@@ -262,14 +283,14 @@ class Plan:
             "status": self.status,
             "gap": self.gap,
             "lower_bound": self.lower_bound,
-            "solve_time": self.solve_time,
             "cost": self.cost.to_json(),
             "inputs": [s.to_json() for s in self.inputs],
             "outputs": [s.to_json() for s in self.outputs],
             "ops": [o.to_json() for o in self.ops],
             "collectives": [c.to_json() for c in self.collectives],
             "fallbacks": dict(self.fallbacks),
-            "stats": {k: v for k, v in self.stats},
+            **({"consts": [s.to_json() for s in self.consts]} if self.consts else {}),
+            "stats": {k: v for k, v in self.stats if not _is_timing(k)},
         }
 
     @classmethod
@@ -302,8 +323,9 @@ class Plan:
                 status=d["status"],
                 gap=float(d["gap"]),
                 lower_bound=float(d["lower_bound"]),
-                solve_time=float(d["solve_time"]),
+                solve_time=float(d.get("solve_time", 0.0)),
                 fallbacks=tuple(sorted(d.get("fallbacks", {}).items())),
+                consts=tuple(Sharding.from_json(s) for s in d.get("consts", ())),
                 stats=tuple(sorted(d.get("stats", {}).items())),
                 source=d.get("source", ""),
             )
@@ -330,6 +352,11 @@ class Plan:
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
             raise
+
+
+def _is_timing(key: str) -> bool:
+    """Wall-clock figures differ run to run; plan files leave them out to stay byte-for-byte deterministic."""
+    return "time" in key or key == "wall_s" or key.endswith(("_wall_s", "build_s", "reduce_s"))
 
 
 def _replace(plan: Plan, **changes) -> Plan:

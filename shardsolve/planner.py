@@ -15,12 +15,17 @@ memory is the per-device bytes of the values it produces, live from its own
 time step to the last reader's (arguments, constants and outputs stay live
 throughout). So the solver's objective is compute + communication, and the
 memory limit bounds the peak of live bytes per device.
+
+A ``scan`` is expanded (``EXPAND_SCAN``): its body's ops become nodes once,
+their costs and internal edges times ``length``, and its boundary (consts,
+one node per carry shared by carry-in, body and carry-out, x/y slices) is
+described in ``ScanNodes``.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import jax
@@ -46,15 +51,83 @@ class NodeInfo:
     rule: Rule | None = None
     strategies: tuple[Strategy, ...] = ()
     fallback: bool = False
+    scope: tuple[int, ...] = ()  # () for the program; (k, ...) inside the body of scan op k, ...
+
+
+# Plan a scan's body once (True), or treat the whole scan as one op that falls back to
+# replicating its operands (False, the behaviour before scan support; kept for comparison).
+EXPAND_SCAN = True
+
+
+def _expandable(op) -> bool:
+    p = op.params
+    return all(k in p for k in ("jaxpr", "length", "num_consts", "num_carry")) and int(p["length"]) > 0
+
+
+def _replicated_scan_time(graph: Graph, op, mesh: MeshSpec) -> float:
+    """Compute time of a scan whose body runs replicated: every body op's replicated strategy, ``length`` times.
+
+    The price of a scan that is not expanded (``EXPAND_SCAN = False``), so that
+    plans with and without expansion are priced alike.
+    """
+    from shardsolve.rules import fallback_rule, rule_for
+
+    body = graph.body(op)
+    total = 0.0
+    for bop in body.ops:
+        if bop.primitive == "scan" and _expandable(bop):
+            total += _replicated_scan_time(body, bop, mesh)
+        view = body.view(bop)
+        rule = rule_for(view) or fallback_rule(view)
+        replicated = rule.strategies(mesh, allow_partial=False, fixed_operands=bop.literal_operands)[0]
+        itemsizes = tuple(np.dtype(d).itemsize for d in view.in_dtypes + view.out_dtypes)
+        total += rule.strategy_time(replicated, mesh, itemsizes)
+    return total * int(op.params["length"])
+
+
+@dataclass
+class ScanNodes:
+    """The problem nodes of one scan whose body is planned once.
+
+    * ``const[k]``: the sharding of the k-th const inside the body; its edge
+      from the outer producer is a reshard paid once, before the loop.
+    * ``carry[k]``: ONE sharding for the k-th carry wherever it appears: the
+      scan's carry-in operand (edge from the outer producer, paid once), the
+      body's carry invar, the body's carry outvar (edge from the body's
+      producer, paid every iteration: the carry leaves each iteration as it
+      entered, a fixed point) and the scan's carry-out result.
+    * ``xs[k]``: the sharding of the k-th x-slice in the body; the scan's xs
+      operand is read with the stacked dimension unsplit (``((),) + slice``).
+    * ``ys[k]``: likewise for the k-th y-slice and the scan's ys result (the
+      body's producer reshards into it every iteration).
+
+    Body ops are problem nodes once, their costs and internal edges times
+    ``length`` (times the enclosing scans' lengths when nested). Memory: body
+    ops, consts and xs live only during the scan's time step of the enclosing
+    program (all at once, an over-estimate of one iteration's peak, at their
+    per-iteration bytes); carry and ys nodes hold the scan's results and live
+    from that step to their last reader.
+    """
+
+    op: int  # the scan's op id in its graph
+    length: int
+    body: Graph
+    const: list[int] = field(default_factory=list)
+    carry: list[int] = field(default_factory=list)
+    xs: list[int] = field(default_factory=list)
+    ys: list[int] = field(default_factory=list)
+    body_consts: list[int] = field(default_factory=list)  # closed-over constants of the body
+    op_node: dict[int, int] = field(default_factory=dict)  # body op id -> node (expanded scans excluded)
 
 
 @dataclass
 class Built:
     problem: Problem
     nodes: list[NodeInfo]
-    op_node: dict[int, int]  # op id -> node index
+    op_node: dict[int, int]  # op id -> node index (expanded scans have no node: see ``scans``)
     value_node: dict[int, int]  # input/const value id -> node index
     output_node: dict[int, int]  # output position -> node index
+    scans: dict[tuple[int, ...], ScanNodes] = field(default_factory=dict)  # scope (scan op ids) -> nodes
 
 
 # -- annotations ------------------------------------------------------------
@@ -137,8 +210,6 @@ def build_problem(
 
     values = graph.values
     horizon = len(graph.ops) + 2  # t=0 inputs, t=k+1 op k, t=len+1 outputs
-    last_use = graph.last_use()
-    output_ids = {x for x in graph.outputs if not isinstance(x, Lit)}
     nodes: list[Node] = []
     infos: list[NodeInfo] = []
     pins: list[Pin] = []
@@ -170,10 +241,27 @@ def build_problem(
 
     edges: dict[tuple[int, int], np.ndarray] = {}
     tables = _Tables(mesh)
-    produced_ids: dict[int, np.ndarray] = {vid: tables.ids(produced[vid][1]) for vid in produced}
+    # Values are keyed by (scope, value id): scope () is the program, (k,) the body of
+    # scan op k, (k, j) the body of scan op j inside that body, ...
+    produced_at: dict[tuple, tuple[int, list[Sharding]]] = {((), v): p for v, p in produced.items()}
+    ids_at: dict[tuple, np.ndarray] = {key: tables.ids(p[1]) for key, p in produced_at.items()}
     rule_cache: dict[tuple, _RuleStrategies] = {}
-    for op in graph.ops:
-        view = graph.view(op)
+    scans: dict[tuple, ScanNodes] = {}
+
+    def add_edge(u: int, v: int, table: np.ndarray) -> None:
+        if u == v:  # a scan body handing a carry straight back: same node, same sharding
+            return
+        if (v, u) in edges:  # a carry node and a body op read each other: one edge per pair
+            u, v, table = v, u, table.T
+        edges[(u, v)] = edges[(u, v)] + table if (u, v) in edges else table
+
+    def read_edge(scope: tuple, g: Graph, x: int, dst: np.ndarray, to: int, scale: float) -> None:
+        value = g.values[x]
+        table = tables.table(value.shape, value.itemsize, ids_at[(scope, x)], dst)
+        add_edge(produced_at[(scope, x)][0], to, table * scale if scale != 1 else table)
+
+    def add_op(g: Graph, op, scope: tuple, scale: float, interval: tuple[int, int], name: str) -> None:
+        view = g.view(op)
         rule = rule_for(view)
         fallback = rule is None
         if rule is None:
@@ -184,24 +272,113 @@ def build_problem(
         if rs is None:
             rs = _RuleStrategies.make(rule, op.literal_operands, itemsizes, mesh, tables)
             rule_cache[key] = rs
-        end = max((last_use.get(v, op.id) for v in op.outputs), default=op.id)
-        if any(v in output_ids for v in op.outputs):
-            end = horizon - 1
+        costs = rs.costs * scale if scale != 1 else rs.costs
+        if op.primitive == "scan" and _expandable(op):  # not expanded: its body runs replicated
+            costs = costs + scale * _replicated_scan_time(g, op, mesh)
         idx = add(
-            Node(op.name(), rs.costs, rs.usage, (op.id + 1, end + 2), rs.labels),
-            NodeInfo("op", op.id, rule=rule, strategies=rs.strategies, fallback=fallback),
+            Node(name, costs, rs.usage, interval, rs.labels),
+            NodeInfo("op", op.id, rule=rule, strategies=rs.strategies, fallback=fallback, scope=scope),
         )
-        op_node[op.id] = idx
+        if scope:
+            scans[scope].op_node[op.id] = idx
+        else:
+            op_node[op.id] = idx
         for r, v in enumerate(op.outputs):
-            produced[v] = (idx, [s.results[r] for s in rs.strategies])
-            produced_ids[v] = rs.result_ids[r]
+            produced_at[(scope, v)] = (idx, [s.results[r] for s in rs.strategies])
+            ids_at[(scope, v)] = rs.result_ids[r]
         for k, x in enumerate(op.inputs):
-            if isinstance(x, Lit):
-                continue
-            value = values[x]
-            table = tables.table(value.shape, value.itemsize, produced_ids[x], rs.operand_ids[k])
-            key2 = (produced[x][0], idx)
-            edges[key2] = edges[key2] + table if key2 in edges else table
+            if not isinstance(x, Lit):
+                read_edge(scope, g, x, rs.operand_ids[k], idx, scale)
+
+    def add_scan(g: Graph, op, scope: tuple, scale: float, step: int, end: int, name: str) -> None:
+        """A scan's body planned once; see ``ScanNodes``."""
+        p = op.params
+        length, n_consts, n_carry = int(p["length"]), int(p["num_consts"]), int(p["num_carry"])
+        body = g.body(op)
+        inner = scope + (op.id,)
+        inner_scale = scale * length
+        sn = scans[inner] = ScanNodes(op.id, length, body)
+        within = (step, step + 1)
+        for k, x in enumerate(op.inputs):
+            bvid = body.inputs[k]
+            bval = body.values[bvid]
+            cands = tuple(candidate_shardings(bval.shape, mesh))
+            kind = "const" if k < n_consts else "carry" if k < n_consts + n_carry else "xs"
+            outer = cands if kind != "xs" else tuple(Sharding(((),) + c.dims) for c in cands)
+            if kind == "carry":
+                usage = [c.local_bytes(bval.shape, bval.itemsize, mesh) for c in cands]
+                interval = (step, end)
+            else:  # consts and xs are the operands' own buffers (a resharded copy is not counted)
+                usage, interval = [0.0] * len(cands), within
+            idx = add(
+                Node(f"{name} {kind}[{len(getattr(sn, kind))}]", np.zeros(len(cands)), np.array(usage, dtype=np.float64),
+                     interval, tuple(map(str, cands))),
+                NodeInfo(f"scan-{kind}", op.id, cands, scope=inner),
+            )
+            getattr(sn, kind).append(idx)
+            produced_at[(inner, bvid)] = (idx, list(cands))
+            ids_at[(inner, bvid)] = tables.ids(cands)
+            if not isinstance(x, Lit):
+                read_edge(scope, g, x, tables.ids(outer), idx, scale)
+        for k, bvid in enumerate(body.consts):
+            bval = body.values[bvid]
+            cands = tuple(candidate_shardings(bval.shape, mesh))
+            idx = add(
+                Node(f"{name} body const[{k}]", np.zeros(len(cands)),
+                     np.array([c.local_bytes(bval.shape, bval.itemsize, mesh) for c in cands], dtype=np.float64),
+                     within, tuple(map(str, cands))),
+                NodeInfo("scan-body-const", bvid, cands, scope=inner),
+            )
+            sn.body_consts.append(idx)
+            produced_at[(inner, bvid)] = (idx, list(cands))
+            ids_at[(inner, bvid)] = tables.ids(cands)
+        add_ops(body, inner, inner_scale, within, f"{name}/")
+        for r, bx in enumerate(body.outputs):
+            if r < n_carry:
+                to = sn.carry[r]
+            else:
+                out_val = g.values[op.outputs[r]]
+                cands = tuple(candidate_shardings(out_val.shape[1:], mesh))
+                to = add(
+                    Node(f"{name} ys[{r - n_carry}]", np.zeros(len(cands)),
+                         np.array([Sharding(((),) + c.dims).local_bytes(out_val.shape, out_val.itemsize, mesh)
+                                   for c in cands], dtype=np.float64),
+                         (step, end), tuple(map(str, cands))),
+                    NodeInfo("scan-ys", op.id, cands, scope=inner),
+                )
+                sn.ys.append(to)
+            if not isinstance(bx, Lit):
+                read_edge(inner, body, bx, tables.ids(infos[to].shardings), to, inner_scale)
+        for r, v in enumerate(op.outputs):
+            to = sn.carry[r] if r < n_carry else sn.ys[r - n_carry]
+            shardings = list(infos[to].shardings)
+            if r >= n_carry:
+                shardings = [Sharding(((),) + c.dims) for c in shardings]
+            produced_at[(scope, v)] = (to, shardings)
+            ids_at[(scope, v)] = tables.ids(shardings)
+
+    def add_ops(g: Graph, scope: tuple, scale: float, within: tuple[int, int] | None, prefix: str) -> None:
+        g_last = g.last_use()
+        g_outputs = {x for x in g.outputs if not isinstance(x, Lit)}
+        for op in g.ops:
+            if within is None:  # the program: op k runs at time k + 1, results live to their last reader
+                step = op.id + 1
+                end = max((g_last.get(v, op.id) for v in op.outputs), default=op.id) + 2
+                if any(v in g_outputs for v in op.outputs):
+                    end = horizon + 1
+                interval = (step, end)
+            else:  # inside a scan body: everything lives in the scan's time step
+                step, end = within[0], within[1]
+                interval = within
+            name = op.name() if not prefix else f"{prefix}{op.name()}"
+            if op.primitive == "scan" and EXPAND_SCAN and _expandable(op):
+                add_scan(g, op, scope, scale, step, end, name)
+            else:
+                add_op(g, op, scope, scale, interval, name)
+
+    add_ops(graph, (), 1.0, None, "")
+    produced = {v: p for (scope, v), p in produced_at.items() if scope == ()}
+    produced_ids = {v: i for (scope, v), i in ids_at.items() if scope == ()}
 
     for k, x in enumerate(graph.outputs):
         if isinstance(x, Lit):
@@ -231,7 +408,7 @@ def build_problem(
         memory_limit,
         tuple(pins),
     )
-    return Built(problem, infos, op_node, value_node, output_node)
+    return Built(problem, infos, op_node, value_node, output_node, scans)
 
 
 class _Tables:
@@ -313,57 +490,135 @@ def predicted_collectives(graph: Graph, built: Built, assignment: Sequence[int],
     already has in the program starts from there: this is the rewriter's
     reshard cache (keyed by value and sharding, intermediate steps included),
     so the prediction matches the lowered program.
+
+    Inside a scan body (planned once), each collective is listed once with
+    ``repeats`` = the number of iterations (the product of the enclosing
+    scans' lengths): ``bytes`` is one run's, as the compiled while loop's body
+    shows it once, and ``time`` is the total over all runs. Values are named
+    ``%<scan> scan/<body value>`` and consumers ``%<scan> scan/%<k> <primitive>``;
+    ``value`` is a value id of ``graph`` (ids are per graph), so for a body
+    value it is the scan's first result.
     """
     from shardsolve.cost import collective_time, reshard_steps
     from shardsolve.plan import PredictedCollective
 
-    values = graph.values
+    out: list[PredictedCollective] = []
+
+    def walk(g: Graph, scope: tuple, current: dict[int, Sharding], producer_name: dict[int, str],
+             repeats: int, prefix: str, anchor: int | None) -> None:
+        values = g.values
+        done: set[tuple[int, Sharding]] = set()
+
+        def demand(vid: int, target: Sharding, consumer: str) -> None:
+            if (vid, target) in done:
+                return
+            value = values[vid]
+            steps = reshard_steps(value.shape, value.itemsize, current[vid], target, mesh)
+            assert steps is not None, (value.name, current[vid], target)
+            for step in steps:
+                if (vid, step.dst) in done:  # this layout of the value is already in the program
+                    continue
+                done.add((vid, step.dst))
+                if step.is_collective:
+                    out.append(
+                        PredictedCollective(
+                            step.kind, step.axes, step.bytes,
+                            collective_time(step.kind, step.axes, step.bytes, mesh) * repeats,
+                            vid if anchor is None else anchor, prefix + value.name, step.src, step.dst,
+                            producer_name[vid], consumer, target, repeats,
+                        )
+                    )
+
+        sharding_of = lambda idx: built.nodes[idx].shardings[assignment[idx]]  # noqa: E731
+        for op in g.ops:
+            name = prefix + op.name()
+            inner = scope + (op.id,)
+            sn = built.scans.get(inner)
+            if sn is None:
+                table = built.op_node if not scope else built.scans[scope].op_node
+                idx = table[op.id]
+                strategy = built.nodes[idx].strategies[assignment[idx]]
+                for k, x in enumerate(op.inputs):
+                    if not isinstance(x, Lit):
+                        demand(x, strategy.operands[k], name)
+                for r, vid in enumerate(op.outputs):
+                    current[vid] = strategy.results[r]
+                    producer_name[vid] = name
+                continue
+            body = sn.body
+            boundary = [sharding_of(i) for i in sn.const + sn.carry + sn.xs]
+            n_cc = len(sn.const) + len(sn.carry)
+            for k, x in enumerate(op.inputs):
+                if not isinstance(x, Lit):
+                    demand(x, boundary[k] if k < n_cc else Sharding(((),) + boundary[k].dims), name)
+            b_current: dict[int, Sharding] = {}
+            b_producer: dict[int, str] = {}
+            for k, bvid in enumerate(body.inputs):
+                b_current[bvid] = boundary[k]
+                b_producer[bvid] = f"{name}/{body.values[bvid].name}"
+            for k, bvid in enumerate(body.consts):
+                b_current[bvid] = sharding_of(sn.body_consts[k])
+                b_producer[bvid] = f"{name}/{body.values[bvid].name}"
+            b_prefix = f"{name.split(' [')[0]}/"
+            walk(body, inner, b_current, b_producer, repeats * sn.length, b_prefix,
+                 anchor if anchor is not None else op.outputs[0] if op.outputs else None)
+            ends = [sharding_of(i) for i in sn.carry + sn.ys]
+            for r, vid in enumerate(op.outputs):
+                s = ends[r] if r < len(sn.carry) else Sharding(((),) + ends[r].dims)
+                current[vid] = s
+                producer_name[vid] = name
+        if scope:
+            sn = built.scans[scope]
+            ends = [sharding_of(i) for i in sn.carry + sn.ys]
+            for r, x in enumerate(g.outputs):
+                if not isinstance(x, Lit):
+                    kind = f"carry[{r}]" if r < len(sn.carry) else f"ys[{r - len(sn.carry)}]"
+                    demand(x, ends[r], f"{prefix[:-1]} {kind}")
+        else:
+            for k, x in enumerate(g.outputs):
+                if not isinstance(x, Lit):
+                    idx = built.output_node[k]
+                    demand(x, sharding_of(idx), f"outputs[{k}]")
+
     current: dict[int, Sharding] = {}
     producer_name: dict[int, str] = {}
     for vid, idx in built.value_node.items():
         current[vid] = built.nodes[idx].shardings[assignment[idx]]
-        producer_name[vid] = values[vid].name
-    done: set[tuple[int, Sharding]] = set()
-    out: list[PredictedCollective] = []
-
-    def demand(vid: int, target: Sharding, consumer: str) -> None:
-        if (vid, target) in done:
-            return
-        value = values[vid]
-        steps = reshard_steps(value.shape, value.itemsize, current[vid], target, mesh)
-        assert steps is not None, (value.name, current[vid], target)
-        for step in steps:
-            if (vid, step.dst) in done:  # this layout of the value is already in the program
-                continue
-            done.add((vid, step.dst))
-            if step.is_collective:
-                out.append(
-                    PredictedCollective(
-                        step.kind, step.axes, step.bytes, collective_time(step.kind, step.axes, step.bytes, mesh),
-                        vid, value.name, step.src, step.dst, producer_name[vid], consumer, target,
-                    )
-                )
-
-    for op in graph.ops:
-        idx = built.op_node[op.id]
-        strategy = built.nodes[idx].strategies[assignment[idx]]
-        for k, x in enumerate(op.inputs):
-            if not isinstance(x, Lit):
-                demand(x, strategy.operands[k], op.name())
-        for r, vid in enumerate(op.outputs):
-            current[vid] = strategy.results[r]
-            producer_name[vid] = op.name()
-    for k, x in enumerate(graph.outputs):
-        if not isinstance(x, Lit):
-            idx = built.output_node[k]
-            demand(x, built.nodes[idx].shardings[assignment[idx]], f"outputs[{k}]")
+        producer_name[vid] = graph.values[vid].name
+    walk(graph, (), current, producer_name, 1, "", None)
     return tuple(out)
+
+
+def _op_plans(g: Graph, built: Built, a: Sequence[int], scope: tuple, fallbacks, compute: list[float]) -> tuple:
+    """The ``OpPlan`` of every op of ``g`` (a program or a scan body), summing node costs into ``compute``."""
+    from shardsolve.plan import OpPlan
+
+    ops = []
+    for op in g.ops:
+        sn = built.scans.get(scope + (op.id,))
+        if sn is not None:
+            pick = lambda idx: built.nodes[idx].shardings[a[idx]]  # noqa: E731
+            const, carry, xs, ys = ([pick(i) for i in group] for group in (sn.const, sn.carry, sn.xs, sn.ys))
+            operands = tuple(const + carry + [Sharding(((),) + s.dims) for s in xs])
+            results = tuple(carry + [Sharding(((),) + s.dims) for s in ys])
+            body = _op_plans(sn.body, built, a, scope + (op.id,), fallbacks, compute)
+            ops.append(OpPlan(op.primitive, operands, results, f"body planned once, x{sn.length}", False,
+                              body=body, length=sn.length, body_consts=tuple(pick(i) for i in sn.body_consts)))
+            continue
+        idx = built.op_node[op.id] if not scope else built.scans[scope].op_node[op.id]
+        info = built.nodes[idx]
+        strategy = info.strategies[a[idx]]
+        compute[0] += float(built.problem.nodes[idx].costs[a[idx]])
+        if info.fallback:
+            fallbacks[op.primitive] += 1
+        ops.append(OpPlan(op.primitive, strategy.operands, strategy.results, strategy.describe(), info.fallback))
+    return tuple(ops)
 
 
 def to_plan(graph: Graph, built: Built, solution, mesh: MeshSpec, fun: Callable | None, source: str = ""):
     from collections import Counter
 
-    from shardsolve.plan import Cost, OpPlan, Plan, Signature
+    from shardsolve.plan import Cost, Plan, Signature
 
     a = solution.assignment
     inputs = tuple(built.nodes[built.value_node[v]].shardings[a[built.value_node[v]]] for v in graph.inputs)
@@ -374,22 +629,15 @@ def to_plan(graph: Graph, built: Built, solution, mesh: MeshSpec, fun: Callable 
         else:
             idx = built.output_node[k]
             outputs.append(built.nodes[idx].shardings[a[idx]])
-    ops = []
-    compute = 0.0
     fallbacks: Counter = Counter()
-    for op in graph.ops:
-        idx = built.op_node[op.id]
-        info = built.nodes[idx]
-        strategy = info.strategies[a[idx]]
-        compute += float(built.problem.nodes[idx].costs[a[idx]])
-        if info.fallback:
-            fallbacks[op.primitive] += 1
-        ops.append(OpPlan(op.primitive, strategy.operands, strategy.results, strategy.describe(), info.fallback))
+    total = [0.0]
+    ops = _op_plans(graph, built, a, (), fallbacks, total)
+    compute = total[0]
     collectives = predicted_collectives(graph, built, a, mesh)
     communication = sum(c.time for c in collectives)
     by_kind: Counter = Counter()
     for c in collectives:
-        by_kind[c.kind] += c.bytes
+        by_kind[c.kind] += c.bytes  # one run of each (a scan body's collectives once, as in the HLO)
     cost = Cost(
         total=compute + communication,
         compute=compute,
@@ -411,6 +659,7 @@ def to_plan(graph: Graph, built: Built, solution, mesh: MeshSpec, fun: Callable 
         mesh=mesh,
         signature=Signature.of(graph.traced),
         inputs=inputs,
+        consts=tuple(built.nodes[built.value_node[v]].shardings[a[built.value_node[v]]] for v in graph.consts),
         outputs=tuple(outputs),
         ops=tuple(ops),
         collectives=collectives,

@@ -105,6 +105,83 @@ def eval_inlined(jaxpr: Any, consts: Sequence[Any], *args: Any) -> list[Any]:
     return [read(v) for v in jaxpr.outvars]
 
 
+def _freeze(x: Any) -> Any:
+    """A hashable stand-in for an equation parameter or literal (TypeError if there is none)."""
+    import numpy as np
+
+    if isinstance(x, (list, tuple)):
+        return (type(x).__name__,) + tuple(_freeze(y) for y in x)
+    if isinstance(x, dict):
+        return ("dict",) + tuple(sorted((k, _freeze(v)) for k, v in x.items()))
+    if isinstance(x, (np.ndarray, np.generic)):
+        return ("array", x.dtype.str, x.shape, np.asarray(x).tobytes())
+    hash(x)
+    return x
+
+
+def merge_duplicates(closed: Any) -> Any:
+    """Common-subexpression elimination: an equation that repeats an earlier one reads its results.
+
+    XLA merges such equations (a causal mask rebuilt in every layer is one
+    computation in the compiled program), so the plan must see them as one value.
+    """
+    jaxpr = closed.jaxpr
+    rename: dict[Any, Any] = {}
+    seen: dict[Any, Any] = {}
+    kept = []
+
+    def sub(v):
+        return v if isinstance(v, jcore.Literal) else rename.get(v, v)
+
+    def operand_key(v):
+        if isinstance(v, jcore.Literal):
+            return ("literal", str(v.aval), _freeze(__import__("numpy").asarray(v.val)))
+        return v
+
+    for eqn in jaxpr.eqns:
+        invars = [sub(v) for v in eqn.invars]
+        if any(a is not b for a, b in zip(invars, eqn.invars)):
+            eqn = eqn.replace(invars=invars)
+        key = None
+        if not eqn.effects:
+            try:
+                key = (eqn.primitive, tuple(operand_key(v) for v in invars), _freeze(dict(eqn.params)))
+                hash(key)
+            except TypeError:
+                key = None
+        prev = seen.get(key) if key is not None else None
+        if prev is not None and not any(isinstance(v, jcore.DropVar) for v in prev.outvars):
+            for a, b in zip(eqn.outvars, prev.outvars):
+                if not isinstance(a, jcore.DropVar):
+                    rename[a] = b
+            continue
+        if key is not None:
+            seen[key] = eqn
+        kept.append(eqn)
+    if len(kept) == len(jaxpr.eqns):
+        return closed
+    outvars = [sub(v) for v in jaxpr.outvars]
+    return jcore.ClosedJaxpr(jaxpr.replace(eqns=kept, outvars=outvars), closed.consts)
+
+
+def drop_dead_code(closed: Any) -> Any:
+    """Remove equations whose results nothing reads (and that have no effects).
+
+    XLA removes them from every compiled program, so a plan that priced them
+    would predict collectives that never run.
+    """
+    jaxpr = closed.jaxpr
+    live = {v for v in jaxpr.outvars if not isinstance(v, jcore.Literal)}
+    kept = []
+    for eqn in reversed(jaxpr.eqns):
+        if eqn.effects or any(not isinstance(v, jcore.DropVar) and v in live for v in eqn.outvars):
+            kept.append(eqn)
+            live.update(v for v in eqn.invars if not isinstance(v, jcore.Literal))
+    if len(kept) == len(jaxpr.eqns):
+        return closed
+    return jcore.ClosedJaxpr(jaxpr.replace(eqns=kept[::-1]), closed.consts)
+
+
 def trace(fun: Callable, *args: Any) -> Traced:
     """Trace ``fun(*args)`` to a flat closed jaxpr; ``args`` may be ``ShapeDtypeStruct``s."""
     if not callable(fun):
@@ -122,7 +199,7 @@ def trace(fun: Callable, *args: Any) -> Traced:
     def flat(*flat_args):
         return eval_inlined(nested.jaxpr, nested.consts, *flat_args)
 
-    closed = jax.make_jaxpr(flat)(*leaves)
+    closed = drop_dead_code(merge_duplicates(jax.make_jaxpr(flat)(*leaves)))
     return Traced(
         jaxpr=closed,
         in_tree=in_tree,
@@ -130,3 +207,19 @@ def trace(fun: Callable, *args: Any) -> Traced:
         in_avals=tuple(v.aval for v in closed.jaxpr.invars),
         out_avals=tuple(v.aval for v in closed.jaxpr.outvars),
     )
+
+
+def inline_closed(closed: Any) -> Any:
+    """A control-flow body (closed jaxpr) with nested calls inlined, duplicates merged, dead code dropped.
+
+    Used for ``scan`` bodies, which ``trace`` keeps as one structured equation.
+    """
+    jaxpr = closed.jaxpr
+    if not any(e.primitive.name in INLINED for e in jaxpr.eqns):
+        return drop_dead_code(merge_duplicates(closed))
+    avals = [v.aval for v in jaxpr.invars]
+
+    def flat(*args):
+        return eval_inlined(jaxpr, closed.consts, *args)
+
+    return drop_dead_code(merge_duplicates(jax.make_jaxpr(flat)(*avals)))
