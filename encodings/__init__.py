@@ -1,0 +1,242 @@
+"""Solvers for the strategy-selection problem (imported as ``shardsolve.encodings``).
+
+``solve`` is the one entry point the planner calls::
+
+    problem --reduce--> reduced problem --flatten--> arrays
+        tiny (<= 60 decisions): CP-SAT on the whole model, exactly (milliseconds)
+        moderate: LP relaxation with memory (GLOP): a certified bound, and its
+                  rounding, with the fractional nodes solved exactly, as a start
+        warm starts: heuristics (least usage, Lagrangian forest DP, repair, ICM)
+        <= 400 decisions: the whole model, hinted, for a share of the budget
+        then: CP-SAT large-neighbourhood search (graph balls, time windows,
+              costliest nodes, disagreement with the LP)
+        bound: CP-SAT's / the LP's, or the dual (reparametrisation) bound
+    --lift--> assignment of the original problem, cost from ``Problem.evaluate``
+
+On IOPDDL instances B and G the LP relaxation with the memory constraints is
+integral or nearly so: its rounding is optimal and CP-SAT proves it.
+
+``explain_infeasible`` names a minimal set of pins (and the memory limit) that
+cannot hold together, from z3 unsat cores.
+
+Time limits are *deterministic* work budgets in seconds (CP-SAT's
+deterministic time plus a fixed charge per model term built), so the same
+problem and options give the same assignment byte for byte; a wall-clock
+safety net of twice the limit stops runaway work on an overloaded machine.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Callable
+
+import numpy as np
+
+from shardsolve.errors import InfeasibleError, ShardsolveError
+from shardsolve.problem import Problem, Solution
+from shardsolve.reductions import reduce
+
+__all__ = ["solve", "explain_infeasible", "DEFAULT_TIME_LIMIT"]
+
+#: Budget when ``time_limit`` is None.
+DEFAULT_TIME_LIMIT = 30.0
+#: Problems with at most this many decision nodes (after reduction) are solved whole, exactly.
+TINY_NODES = 60
+#: Up to this many decision nodes the whole model also gets a share of the budget after the warm start.
+EXACT_NODES = 400
+#: The LP relaxation is built up to this many nodes (and ``bounds.LP_MAX_PAIRS`` pair variables).
+LP_MAX_NODES = 5000
+#: Above this many nodes (after reduction) the Python heuristics are skipped.
+LARGE_NODES = 5000
+#: Deterministic charge (seconds) per LP variable.
+LP_CHARGE = 2e-6
+#: Largest problem ``explain_infeasible`` hands to z3 (node strategies).
+EXPLAIN_MAX_STRATEGIES = 20_000
+
+Progress = Callable[[str, float, float], None]
+
+
+def _quiet(message: str, best: float, bound: float) -> None:
+    return None
+
+
+def solve(
+    problem: Problem,
+    *,
+    time_limit: float | None = None,
+    seed: int = 0,
+    workers: int | None = None,
+    progress: Progress | None = None,
+) -> Solution:
+    """Pick one strategy per node, minimising cost under pins and the memory limit.
+
+    ``time_limit``: deterministic work budget in seconds (default 30); ``seed``:
+    the random seed of every randomised step; ``workers``: CP-SAT threads for
+    whole-model solves (default 1; results stay deterministic either way);
+    ``progress(message, best_cost, lower_bound)`` is called as the search improves.
+
+    Returns a :class:`Solution` whose ``cost`` is ``problem.evaluate(assignment)``
+    and whose ``lower_bound`` is certified. ``status``: ``"optimal"``,
+    ``"feasible"``, ``"infeasible"`` (with ``conflict`` when it could be
+    explained) or ``"unknown"`` (nothing feasible found in the budget).
+    """
+    from shardsolve.encodings import bounds, cpsat, heuristics
+
+    started = time.perf_counter()
+    try:
+        problem.validate()
+    except ValueError as exc:
+        raise ShardsolveError(f"invalid problem {problem.name!r}: {exc}") from None
+    budget = DEFAULT_TIME_LIMIT if time_limit is None else max(0.0, float(time_limit))
+    wall_limit = 2.0 * budget + 2.0
+    report = progress or _quiet
+    threads = 1 if workers is None else max(1, int(workers))
+
+    def finish(assignment, status: str, bound: float, stats: dict, conflict=()) -> Solution:
+        if assignment is None:
+            return Solution((), math.inf, bound, status, time.perf_counter() - started, tuple(conflict), stats)
+        cost = problem.evaluate(assignment)
+        if not math.isfinite(cost):  # defensive: never report an invalid assignment as a solution
+            return Solution((), math.inf, bound, "unknown", time.perf_counter() - started, (), stats)
+        bound = min(bound, cost)
+        if status != "optimal" and bound >= cost - 1e-9 * max(1.0, abs(cost)):
+            status = "optimal"
+        if status == "optimal":
+            bound = cost
+        stats["wall_s"] = round(time.perf_counter() - started, 3)
+        return Solution(tuple(int(s) for s in assignment), cost, bound, status, time.perf_counter() - started, (), stats)
+
+    def infeasible(stats: dict) -> Solution:
+        conflict = explain_infeasible(problem) if problem.num_strategies <= EXPLAIN_MAX_STRATEGIES else ()
+        return finish(None, "infeasible", math.inf, stats, conflict)
+
+    try:
+        reduced = reduce(problem)
+    except InfeasibleError:
+        return infeasible({"reduced": False})
+    stats: dict = dict(reduced.stats)
+    stats["reduce_s"] = round(time.perf_counter() - started, 3)
+    offset = reduced.offset
+    flat = heuristics.flatten(reduced.problem)
+    decision = sum(1 for c in flat.costs if len(c) > 1)
+
+    if decision == 0:
+        x = np.zeros(flat.n, dtype=np.int64)
+        if not math.isfinite(heuristics.evaluate(flat, x)):
+            return infeasible(stats)
+        return finish(reduced.lift(x), "optimal", -math.inf, stats)
+
+    def shifted(message: str, best: float, bound: float) -> None:
+        report(message, best + offset, bound + offset)
+
+    bound = bounds.trivial_bound(flat)
+    best_x: np.ndarray | None = None
+    best_cost = math.inf
+
+    def consider(x: np.ndarray | None, cost: float) -> None:
+        nonlocal best_x, best_cost
+        if x is not None and cost < best_cost:
+            best_x, best_cost = np.asarray(x, dtype=np.int64), cost
+
+    # 1. Tiny: the whole model, exactly.
+    if decision <= TINY_NODES:
+        result = cpsat.solve_cpsat(flat, time_limit=budget, seed=seed, workers=threads, progress=shifted)
+        stats.update(result.stats)
+        if result.status == "infeasible":
+            return infeasible(stats)
+        if result.status == "optimal" or result.assignment is None:
+            status = result.status if result.assignment is not None else "unknown"
+            lifted = reduced.lift(result.assignment) if result.assignment is not None else None
+            return finish(lifted, status, max(bound, result.lower_bound) + offset, stats)
+        return finish(reduced.lift(result.assignment), "feasible", max(bound, result.lower_bound) + offset, stats)
+
+    # 2. LP relaxation (moderate sizes): a bound, and a guide for the search.
+    guide = None
+    if flat.n <= LP_MAX_NODES:
+        lp_value, marginals = bounds.lp_relaxation(flat, time_limit=max(10.0, 0.5 * budget))
+        stats["lp_bound"] = lp_value + offset if math.isfinite(lp_value) else None
+        if lp_value == math.inf:
+            return infeasible(stats)
+        bound = max(bound, lp_value)
+        if marginals is not None:
+            guide = np.array([int(np.argmax(m)) for m in marginals], dtype=np.int64)
+            budget -= LP_CHARGE * sum(len(c) for c in flat.costs) + LP_CHARGE * sum(t.size for t in flat.tables)
+
+    # 3. Warm starts: heuristics, and the LP rounded (its fractional part solved exactly).
+    if flat.n <= LARGE_NODES:
+        x0, c0 = heuristics.warm_start(flat, seed=seed)
+        consider(x0, c0)
+        stats["warm_start_cost"] = c0 + offset if math.isfinite(c0) else None
+    if guide is not None:
+        frac = np.array([len(m) > 1 and float(np.max(m)) < 1.0 - 1e-6 for m in marginals])
+        free = set(np.flatnonzero(frac).tolist())
+        for i in list(free):
+            free.update(j for _, j, _ in flat.adj[i] if len(flat.costs[j]) > 1)
+        free_idx = np.array(sorted(free), dtype=np.int64)
+        if len(free_idx):
+            sub = heuristics.subproblem(flat, free_idx, guide)
+            y, _, _, used = cpsat.solve_neighbourhood(sub, guide[free_idx], min(0.2 * budget, 20.0), seed)
+            budget -= used
+            if y is not None:
+                x_r = guide.copy()
+                x_r[free_idx] = y
+                consider(x_r, heuristics.evaluate(flat, x_r))
+        else:
+            consider(guide, heuristics.evaluate(flat, guide))
+        stats["lp_rounding_free_nodes"] = int(len(free_idx))
+    if best_x is None:
+        # Least usage always fits memory but may break forbidden pairs: search the
+        # softened problem (forbidden pairs at a finite penalty) until none is left.
+        soft, penalty = heuristics.softened(flat)
+        x_soft, c_soft, soft_stats = cpsat.lns(
+            soft, heuristics.least_usage(flat), budget=0.5 * budget, seed=seed, stop_below=penalty,
+            wall_limit=0.5 * (wall_limit - (time.perf_counter() - started)),
+        )
+        budget -= soft_stats.get("lns_deterministic_s", 0.0)
+        stats["repair_steps"] = soft_stats.get("lns_steps", 0)
+        consider(x_soft, heuristics.evaluate(flat, x_soft))
+    if best_x is not None:
+        report("warm start", best_cost + offset, bound + offset)
+
+    # 4. Medium: the whole model, hinted, for a share of the budget (may prove optimality).
+    if decision <= EXACT_NODES or (best_x is None and flat.n <= LARGE_NODES):
+        share = max(1.0, 0.1 * budget) if best_x is not None else max(1.0, 0.5 * budget)
+        result = cpsat.solve_cpsat(flat, hint=best_x, time_limit=share, seed=seed, workers=threads, progress=shifted)
+        stats.update(result.stats)
+        budget -= result.stats.get("cpsat_deterministic_s", 0.0) + cpsat.CHARGE_PER_STEP
+        bound = max(bound, result.lower_bound)
+        if result.status == "infeasible":
+            return infeasible(stats)
+        consider(result.assignment, result.cost)
+        if result.status == "optimal":
+            return finish(reduced.lift(best_x), "optimal", bound + offset, stats)
+    if best_x is None:
+        return finish(None, "unknown", bound + offset, stats)
+
+    # 5. Large-neighbourhood search.
+    remaining_wall = wall_limit - (time.perf_counter() - started)
+    x, cost, lns_stats = cpsat.lns(
+        flat, best_x, budget=max(0.0, budget), seed=seed, progress=shifted,
+        lower_bound=bound, wall_limit=max(0.0, 0.9 * remaining_wall), guide=guide,
+    )
+    stats.update(lns_stats)
+    consider(x, cost)
+
+    # 6. Certified lower bound (memory relaxed) where the LP was too big.
+    if guide is None:
+        bound = max(bound, bounds.dual_bound(flat, iterations=3 if flat.n > LARGE_NODES else 50))
+    return finish(reduced.lift(best_x), "feasible", bound + offset, stats)
+
+
+def explain_infeasible(problem: Problem) -> tuple[str, ...]:
+    """Labels of a minimal set of pins, plus ``MEMORY_LIMIT_LABEL`` when the memory limit is part of it.
+
+    Empty when the problem is feasible, or infeasible without any pin or the
+    memory limit (its forbidden costs alone conflict).
+    """
+    from shardsolve.encodings import smt
+
+    return smt.explain(problem)
+
+

@@ -1,0 +1,193 @@
+r"""Certified lower bounds for the strategy-selection problem.
+
+Two bounds, both valid for every feasible assignment (never above the optimum):
+
+**Dual (reparametrisation) bound**, cheap on big instances. Any
+reparametrisation ``theta`` of the costs (moving ``m(a)`` from edge ``(u, v)``
+row ``a`` into node ``u``'s cost keeps every assignment's total unchanged)
+gives
+
+    LB(theta) = sum_i min_s theta_i(s) + sum_(u,v) min_(a,b) theta_uv(a, b)
+
+``dual_bound`` improves ``theta`` with star (min-sum diffusion) updates: for
+node ``i`` with incident edges ``e``, ``m_e(s) = min_b theta_e(s, b)``,
+``total(s) = theta_i(s) + sum_e m_e(s)``; then every edge gets
+``theta_e(s, b) - m_e(s) + total(s) / (deg + 1)`` and the node keeps
+``total(s) / (deg + 1)``. Each update never lowers ``LB``. Memory is relaxed.
+
+**LP bound** (GLOP), for moderate sizes: the local marginal polytope with the
+memory constraints kept::
+
+    min  sum c_i(s) x_is + sum C_uv(a, b) y_uvab
+    s.t. sum_s x_is = 1,   sum_b y_uvab = x_ua,   sum_a y_uvab = x_vb,
+         sum_{i live in t} sum_s du_is x_is <= cap_t,   x, y in [0, 1]
+
+Forbidden entries are fixed to 0 in the LP. The LP optimum is a valid bound
+only when solved to optimality; we return ``-inf`` otherwise. To stay certified
+against floating-point error the LP value is reduced by a tiny relative margin.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from shardsolve.encodings.heuristics import Flat
+
+__all__ = ["trivial_bound", "dual_bound", "lp_bound", "lp_relaxation", "lower_bound"]
+
+#: LP bounds are only attempted up to this many pair variables.
+LP_MAX_PAIRS = 300_000
+#: GLOP settings (text format of ``operations_research.glop.GlopParameters``).
+GLOP_PARAMETERS = "use_dual_simplex: true"
+
+
+def _finite_part(a: np.ndarray, big: float) -> np.ndarray:
+    return np.where(np.isfinite(a), a, big)
+
+
+def trivial_bound(flat: Flat) -> float:
+    """Sum of each node's and each edge's cheapest entry."""
+    total = sum(float(np.min(c)) for c in flat.costs)
+    total += sum(float(np.min(t)) for t in flat.tables)
+    return total
+
+
+def _big(flat: Flat) -> float:
+    """A finite stand-in for forbidden entries (lowering costs keeps a bound valid)."""
+    top = 0.0
+    for c in flat.costs:
+        f = c[np.isfinite(c)]
+        top += float(np.abs(f).max()) if len(f) else 0.0
+    for t in flat.tables:
+        f = t[np.isfinite(t)]
+        top += float(np.abs(f).max()) if len(f) else 0.0
+    return 4.0 * top + 1.0
+
+
+def dual_bound(flat: Flat, iterations: int = 20) -> float:
+    """Reparametrisation bound after ``iterations`` sweeps of star updates (memory relaxed)."""
+    if flat.n == 0:
+        return 0.0
+    big = _big(flat)
+    theta_n = [_finite_part(c, big).astype(np.float64) for c in flat.costs]
+    theta_e = [_finite_part(t, big).astype(np.float64) for t in flat.tables]
+
+    def value() -> float:
+        return sum(float(c.min()) for c in theta_n) + sum(float(t.min()) for t in theta_e)
+
+    best = value()
+    for _ in range(iterations):
+        for i in range(flat.n):
+            inc = flat.adj[i]
+            if not inc:
+                continue
+            mins = []
+            total = theta_n[i].copy()
+            for e, _, is_u in inc:
+                m = theta_e[e].min(axis=1) if is_u else theta_e[e].min(axis=0)
+                mins.append(m)
+                total += m
+            share = total / (len(inc) + 1)
+            for (e, _, is_u), m in zip(inc, mins):
+                if is_u:
+                    theta_e[e] += (share - m)[:, None]
+                else:
+                    theta_e[e] += (share - m)[None, :]
+            theta_n[i] = share
+        now = value()
+        if now <= best + 1e-12 * max(1.0, abs(best)):
+            best = max(best, now)
+            break
+        best = now
+    # floating-point safety margin
+    return best - 1e-9 * max(1.0, abs(best))
+
+
+def lp_bound(flat: Flat, time_limit: float = 10.0) -> float:
+    """Local-polytope LP bound with memory constraints (GLOP); ``-inf`` when not solved to optimality."""
+    return lp_relaxation(flat, time_limit)[0]
+
+
+def lp_relaxation(flat: Flat, time_limit: float = 10.0, backend: str = "GLOP") -> tuple[float, list[np.ndarray] | None]:
+    """The LP bound and the fractional node marginals ``x_is`` (``None`` when not solved).
+
+    ``backend="PDLP"`` (first-order, for big LPs) gives approximate marginals
+    only: its value is not returned as a bound (``-inf``).
+    """
+    from ortools.linear_solver import pywraplp
+
+    pairs = sum(int(np.isfinite(t).sum()) for t in flat.tables)
+    if pairs > LP_MAX_PAIRS:
+        return -math.inf, None
+    solver = pywraplp.Solver.CreateSolver(backend)
+    if solver is None:
+        return -math.inf, None
+    solver.SetTimeLimit(int(time_limit * 1000))
+    if backend == "GLOP":
+        solver.SetSolverSpecificParametersAsString(GLOP_PARAMETERS)
+    inf = solver.infinity()
+    x = []
+    objective = solver.Objective()
+    offset = 0.0
+    for i, c in enumerate(flat.costs):
+        low = float(c[np.isfinite(c)].min()) if np.isfinite(c).any() else 0.0
+        offset += low
+        xs = []
+        for s, cost in enumerate(c):
+            var = solver.NumVar(0.0, 1.0 if np.isfinite(cost) else 0.0, "")
+            if np.isfinite(cost) and cost != low:
+                objective.SetCoefficient(var, float(cost - low))
+            xs.append(var)
+        solver.Add(solver.Sum(xs) == 1)
+        x.append(xs)
+    for k, t in enumerate(flat.tables):
+        u, v = int(flat.eu[k]), int(flat.ev[k])
+        finite = np.isfinite(t)
+        low = float(t[finite].min()) if finite.any() else 0.0
+        offset += low
+        row_terms: list[list] = [[] for _ in range(t.shape[0])]
+        col_terms: list[list] = [[] for _ in range(t.shape[1])]
+        for a, b in zip(*np.nonzero(finite)):
+            y = solver.NumVar(0.0, 1.0, "")
+            if t[a, b] != low:
+                objective.SetCoefficient(y, float(t[a, b] - low))
+            row_terms[a].append(y)
+            col_terms[b].append(y)
+        for a, terms in enumerate(row_terms):
+            solver.Add(solver.Sum(terms) == x[u][a] if terms else x[u][a] == 0)
+        for b, terms in enumerate(col_terms):
+            solver.Add(solver.Sum(terms) == x[v][b] if terms else x[v][b] == 0)
+    for t in flat.binding:
+        live = flat.live(t)
+        ct = solver.Constraint(-inf, float(flat.capacity[t]))
+        for i in live:
+            for s, use in enumerate(flat.usages[i]):
+                if use:
+                    ct.SetCoefficient(x[i][s], float(use))
+    objective.SetMinimization()
+    status = solver.Solve()
+    if status == pywraplp.Solver.INFEASIBLE and backend == "GLOP":
+        return math.inf, None
+    if backend != "GLOP":
+        if status not in (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE, pywraplp.Solver.NOT_SOLVED):
+            return -math.inf, None
+        try:
+            return -math.inf, [np.array([v.solution_value() for v in xs]) for xs in x]
+        except Exception:  # no primal iterate available
+            return -math.inf, None
+    if status != pywraplp.Solver.OPTIMAL:
+        return -math.inf, None
+    value = offset + objective.Value()
+    marginals = [np.array([v.solution_value() for v in xs]) for xs in x]
+    return value - 1e-7 * max(1.0, abs(value)), marginals
+
+
+def lower_bound(flat: Flat, *, iterations: int = 20, lp_time_limit: float | None = 10.0) -> float:
+    """The best of the trivial, dual and (when small enough) LP bounds."""
+    best = trivial_bound(flat)
+    best = max(best, dual_bound(flat, iterations))
+    if lp_time_limit is not None and lp_time_limit > 0:
+        best = max(best, lp_bound(flat, lp_time_limit))
+    return best

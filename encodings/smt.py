@@ -1,0 +1,185 @@
+"""z3 encoding: exact optimisation of small problems and explanations of infeasibility.
+
+One Boolean ``b[i, s]`` per node strategy, exactly one per node; costs are
+exact rationals (``z3.RealVal`` of each float), so the optimum is exact::
+
+    minimise  sum_{i,s} c_is * b_is + sum_(u,v) sum_(a,b) C_uv[a,b] * (b_ua & b_vb)
+              (as weighted soft constraints "not b_is", "not (b_ua & b_vb)": MaxSMT)
+    s.t.      not (b_ua & b_vb)                    where C_uv[a, b] is forbidden
+              not b_is                             where c_is is forbidden
+              p_k  =>  OR_{s in allowed_k} b_{i_k s}              (pin k, tracked)
+              m    =>  sum_{i live at t} usage_is * b_is <= limit  (memory, tracked)
+
+Explanations: the pins ``p_k`` and the memory limit ``m`` are assumption
+literals. When ``check(p_1..p_K, m)`` is ``unsat``, z3's unsat core is shrunk
+by deletion (drop one assumption; keep it out if the rest is still unsat), so
+the result is a *minimal* conflicting set: removing any one of its members
+makes the rest satisfiable. For example two pins ``x = 0`` and ``x = 1`` on the
+same node give exactly those two labels; a pin forcing a big strategy while
+every other node is at its smallest and memory still overflows gives that pin
+and ``memory_limit``.
+"""
+
+from __future__ import annotations
+
+import math
+from decimal import Decimal
+from fractions import Fraction
+
+import numpy as np
+import z3
+
+from shardsolve.problem import FORBIDDEN, MEMORY_LIMIT_LABEL, Problem
+
+__all__ = ["SmtModel", "optimise", "explain"]
+
+
+def _real(x: float) -> z3.ArithRef:
+    f = Fraction(float(x))
+    return z3.RealVal(f"{f.numerator}/{f.denominator}")
+
+
+def _weight(x: float) -> str:
+    """Exact decimal text of a float, for ``add_soft`` weights."""
+    return format(Decimal(float(x)), "f")
+
+
+def _live_sets(problem: Problem) -> list[tuple[int, ...]]:
+    """Distinct sets of nodes live together, one per change point of the sweep."""
+    events = sorted({t for n in problem.nodes if n.interval[1] > n.interval[0] for t in n.interval})
+    out = []
+    seen = set()
+    for t in events:
+        live = tuple(i for i, n in enumerate(problem.nodes) if n.interval[0] <= t < n.interval[1])
+        if live and live not in seen:
+            seen.add(live)
+            out.append(live)
+    return out
+
+
+class SmtModel:
+    """The z3 encoding of ``problem``; pins and memory as tracked assumption literals."""
+
+    def __init__(self, problem: Problem, optimise: bool):
+        self.problem = problem
+        self.ctx = z3.Optimize() if optimise else z3.Solver()
+        self.b = [[z3.Bool(f"b_{i}_{s}") for s in range(n.num_strategies)] for i, n in enumerate(problem.nodes)]
+        self.assumptions: dict[str, z3.BoolRef] = {}
+        self.add_one_strategy_per_node()
+        self.add_forbidden()
+        self.add_pins()
+        self.add_memory_limit()
+
+    def add_one_strategy_per_node(self) -> None:
+        for bs in self.b:
+            self.ctx.add(z3.PbEq([(x, 1) for x in bs], 1))
+
+    def add_forbidden(self) -> None:
+        for i, n in enumerate(self.problem.nodes):
+            for s in np.flatnonzero(np.asarray(n.costs) >= FORBIDDEN):
+                self.ctx.add(z3.Not(self.b[i][s]))
+        for e in self.problem.edges:
+            for a, bb in zip(*np.nonzero(np.asarray(e.costs) >= FORBIDDEN)):
+                self.ctx.add(z3.Or(z3.Not(self.b[e.u][a]), z3.Not(self.b[e.v][bb])))
+
+    def _assumption(self, label: str) -> z3.BoolRef:
+        if label not in self.assumptions:
+            self.assumptions[label] = z3.Bool(f"assume_{len(self.assumptions)}")
+        return self.assumptions[label]
+
+    def add_pins(self) -> None:
+        for pin in self.problem.pins:
+            p = self._assumption(pin.label)
+            self.ctx.add(z3.Implies(p, z3.Or([self.b[pin.node][s] for s in pin.allowed])))
+
+    def add_memory_limit(self) -> None:
+        limit = self.problem.usage_limit
+        if limit is None:
+            return
+        m = self._assumption(MEMORY_LIMIT_LABEL)
+        usages = [np.asarray(n.usages, dtype=np.float64) for n in self.problem.nodes]
+        integral = float(limit).is_integer() and all(np.all(u == np.round(u)) for u in usages)
+        for live in _live_sets(self.problem):
+            if integral:
+                terms = [(self.b[i][s], int(u)) for i in live for s, u in enumerate(usages[i]) if u]
+                if terms:
+                    self.ctx.add(z3.Implies(m, z3.PbLe(terms, int(limit))))
+                elif limit < 0:
+                    self.ctx.add(z3.Not(m))
+                continue
+            terms = [
+                z3.If(self.b[i][s], _real(u), z3.RealVal(0))
+                for i in live
+                for s, u in enumerate(self.problem.nodes[i].usages)
+                if u
+            ]
+            if terms:
+                self.ctx.add(z3.Implies(m, z3.Sum(terms) <= _real(limit)))
+
+    def add_soft_costs(self) -> None:
+        """The objective as weighted soft constraints (z3's MaxSMT engine): pay ``c`` unless ``not b``."""
+        opt = self.ctx
+        for i, n in enumerate(self.problem.nodes):
+            for s, c in enumerate(n.costs):
+                if 0 < c < FORBIDDEN:
+                    opt.add_soft(z3.Not(self.b[i][s]), _weight(c))
+        for e in self.problem.edges:
+            costs = np.asarray(e.costs)
+            for a, bb in zip(*np.nonzero((costs > 0) & (costs < FORBIDDEN))):
+                opt.add_soft(z3.Or(z3.Not(self.b[e.u][a]), z3.Not(self.b[e.v][bb])), _weight(costs[a, bb]))
+
+    def objective(self) -> z3.ArithRef:
+        terms = []
+        for i, n in enumerate(self.problem.nodes):
+            for s, c in enumerate(n.costs):
+                if 0 < c < FORBIDDEN:
+                    terms.append(z3.If(self.b[i][s], _real(c), z3.RealVal(0)))
+        for e in self.problem.edges:
+            for a, bb in zip(*np.nonzero((np.asarray(e.costs) > 0) & (np.asarray(e.costs) < FORBIDDEN))):
+                terms.append(z3.If(z3.And(self.b[e.u][a], self.b[e.v][bb]), _real(e.costs[a, bb]), z3.RealVal(0)))
+        return z3.Sum(terms) if terms else z3.RealVal(0)
+
+    def decode(self, model: z3.ModelRef) -> tuple[int, ...]:
+        out = []
+        for bs in self.b:
+            out.append(next(s for s, x in enumerate(bs) if z3.is_true(model.eval(x, model_completion=True))))
+        return tuple(out)
+
+
+def optimise(problem: Problem, timeout_ms: int = 60_000) -> tuple[tuple[int, ...] | None, float, str]:
+    """Exact optimum: (assignment or None, cost, "optimal" / "infeasible" / "unknown")."""
+    model = SmtModel(problem, optimise=True)
+    opt = model.ctx
+    opt.set("timeout", int(timeout_ms))
+    for p in model.assumptions.values():
+        opt.add(p)
+    model.add_soft_costs()
+    result = opt.check()
+    if result == z3.sat:
+        x = model.decode(opt.model())
+        return x, problem.evaluate(x), "optimal"
+    if result == z3.unsat:
+        return None, math.inf, "infeasible"
+    return None, math.inf, "unknown"
+
+
+def explain(problem: Problem, timeout_ms: int = 60_000) -> tuple[str, ...]:
+    """Labels of a minimal set of pins (and ``memory_limit``) that cannot hold together; ``()`` if satisfiable."""
+    model = SmtModel(problem, optimise=False)
+    solver = model.ctx
+    solver.set("timeout", int(timeout_ms))
+    labels = {str(v): k for k, v in model.assumptions.items()}
+    if solver.check(*model.assumptions.values()) != z3.unsat:
+        return ()
+    core = [c for c in solver.unsat_core()]
+    if solver.check() == z3.unsat:
+        return ()  # infeasible without any pin or the memory limit: nothing the user can drop
+    i = 0
+    while i < len(core):
+        trial = core[:i] + core[i + 1:]
+        if solver.check(*trial) == z3.unsat:
+            core = trial  # still unsat without core[i]: it is not needed
+        else:
+            i += 1
+    order = list(model.assumptions)
+    return tuple(sorted((labels[str(c)] for c in core), key=order.index))

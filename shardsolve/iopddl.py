@@ -1,0 +1,283 @@
+"""Read and write IOPDDL contest instances, and solve them from the command line.
+
+The ASPLOS 2025 IOPDDL contest published real strategy-selection problems from
+XLA's auto-sharding pass in this (optionally gzip-compressed) JSON format::
+
+    {"problem": {"name": "example",
+      "nodes": {"intervals": [[0, 2], [1, 3]],        # half-open liveness
+                "costs":     [[1, 5], [2, 2]],        # per strategy
+                "usages":    [[4, 1], [4, 1]]},       # memory per strategy
+      "edges": {"nodes": [[0, 1]],
+                "costs": [[0, 3, 3, 0]]},             # row-major |S_u| x |S_v|
+      "usage_limit": 5}}
+
+``read_iopddl`` turns it into a :class:`~shardsolve.problem.Problem` (the same
+problem the planner builds), ``write_iopddl`` writes one back (pins folded into
+``1e18`` costs, the contest's marker for a forbidden choice), and
+``solution_to_json`` gives the contest's answer format. ``run`` is what
+``shardsolve iopddl FILE [--time-limit S] [--out solution.json]`` calls.
+
+Malformed input raises :class:`~shardsolve.errors.ShardsolveError` with one line
+naming the file and the field, e.g.
+``B.json.gz: problem.edges.costs[17] has 12 entries, expected 39*4=156``.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import math
+import os
+import tempfile
+import time
+import zlib
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from shardsolve.errors import ShardsolveError
+from shardsolve.problem import FORBIDDEN, Edge, Node, Problem, Solution
+
+__all__ = ["read_iopddl", "write_iopddl", "solution_to_json", "problem_from_json", "problem_to_json", "run"]
+
+
+# -- reading ------------------------------------------------------------------
+
+
+def _load_json(path: Path) -> Any:
+    try:
+        raw = path.read_bytes()
+    except OSError as exc:
+        raise ShardsolveError(f"{path.name}: cannot read ({exc.strerror or exc})") from None
+    try:
+        if raw[:2] == b"\x1f\x8b":
+            raw = gzip.decompress(raw)
+        return json.loads(raw)
+    except (OSError, EOFError, zlib.error) as exc:
+        raise ShardsolveError(f"{path.name}: not a readable gzip file ({exc}); is it truncated?") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ShardsolveError(f"{path.name}: malformed JSON ({exc}); is the file truncated?") from None
+
+
+def _field(obj: Any, key: str, where: str, source: str) -> Any:
+    if not isinstance(obj, dict) or key not in obj:
+        raise ShardsolveError(f"{source}: missing field {where + '.' if where else ''}{key}")
+    return obj[key]
+
+
+def _number_list(value: Any, where: str, source: str) -> np.ndarray:
+    if not isinstance(value, list):
+        raise ShardsolveError(f"{source}: {where} must be a list of numbers")
+    try:
+        arr = np.asarray(value, dtype=np.float64)
+    except (TypeError, ValueError):
+        raise ShardsolveError(f"{source}: {where} must be a list of numbers") from None
+    if arr.ndim != 1:
+        raise ShardsolveError(f"{source}: {where} must be a flat list of numbers")
+    if np.isnan(arr).any():
+        raise ShardsolveError(f"{source}: {where} contains NaN")
+    return arr
+
+
+def _list_of(value: Any, where: str, source: str) -> list:
+    if not isinstance(value, list):
+        raise ShardsolveError(f"{source}: {where} must be a list")
+    return value
+
+
+def problem_from_json(data: Any, source: str = "<json>") -> Problem:
+    """Build a Problem from the parsed contest JSON; ``source`` prefixes error messages."""
+    prob = _field(data, "problem", "", source) if isinstance(data, dict) else None
+    if not isinstance(prob, dict):
+        raise ShardsolveError(f"{source}: missing field problem (expected an object)")
+    name = str(prob.get("name", Path(source).name))
+    nodes_json = _field(prob, "nodes", "problem", source)
+    intervals = _list_of(_field(nodes_json, "intervals", "problem.nodes", source), "problem.nodes.intervals", source)
+    costs = _list_of(_field(nodes_json, "costs", "problem.nodes", source), "problem.nodes.costs", source)
+    usages = _list_of(_field(nodes_json, "usages", "problem.nodes", source), "problem.nodes.usages", source)
+    n = len(costs)
+    if len(intervals) != n:
+        raise ShardsolveError(f"{source}: problem.nodes.intervals has {len(intervals)} entries, expected {n} (one per node)")
+    if len(usages) != n:
+        raise ShardsolveError(f"{source}: problem.nodes.usages has {len(usages)} entries, expected {n} (one per node)")
+    nodes = []
+    for i in range(n):
+        c = _number_list(costs[i], f"problem.nodes.costs[{i}]", source)
+        u = _number_list(usages[i], f"problem.nodes.usages[{i}]", source)
+        if len(c) == 0:
+            raise ShardsolveError(f"{source}: problem.nodes.costs[{i}] is empty (a node needs at least one strategy)")
+        if len(u) != len(c):
+            raise ShardsolveError(f"{source}: problem.nodes.usages[{i}] has {len(u)} entries, expected {len(c)} (one per strategy)")
+        if (c < 0).any():
+            raise ShardsolveError(f"{source}: problem.nodes.costs[{i}] has a negative cost")
+        if (u < 0).any():
+            raise ShardsolveError(f"{source}: problem.nodes.usages[{i}] has a negative usage")
+        iv = intervals[i]
+        if not (isinstance(iv, list) and len(iv) == 2 and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in iv)):
+            raise ShardsolveError(f"{source}: problem.nodes.intervals[{i}] must be [start, end]")
+        start, end = int(iv[0]), int(iv[1])
+        if start < 0 or end < 0:
+            raise ShardsolveError(f"{source}: problem.nodes.intervals[{i}] = [{start}, {end}] is negative")
+        nodes.append(Node(str(i), np.minimum(c, FORBIDDEN), u, (start, end)))
+    edges_json = prob.get("edges", {"nodes": [], "costs": []})
+    pairs = _list_of(_field(edges_json, "nodes", "problem.edges", source), "problem.edges.nodes", source)
+    tables = _list_of(_field(edges_json, "costs", "problem.edges", source), "problem.edges.costs", source)
+    if len(pairs) != len(tables):
+        raise ShardsolveError(f"{source}: problem.edges.costs has {len(tables)} entries, expected {len(pairs)} (one per edge)")
+    edges = []
+    for k, (pair, table) in enumerate(zip(pairs, tables)):
+        if not (isinstance(pair, list) and len(pair) == 2 and all(isinstance(x, int) and not isinstance(x, bool) for x in pair)):
+            raise ShardsolveError(f"{source}: problem.edges.nodes[{k}] must be [u, v] node indices")
+        u, v = pair
+        for x in (u, v):
+            if not 0 <= x < n:
+                raise ShardsolveError(f"{source}: problem.edges.nodes[{k}] names node {x}, but there are {n} nodes")
+        su, sv = len(nodes[u].costs), len(nodes[v].costs)
+        c = _number_list(table, f"problem.edges.costs[{k}]", source)
+        if len(c) != su * sv:
+            raise ShardsolveError(f"{source}: problem.edges.costs[{k}] has {len(c)} entries, expected {su}*{sv}={su * sv}")
+        if (c < 0).any():
+            raise ShardsolveError(f"{source}: problem.edges.costs[{k}] has a negative cost")
+        edges.append(Edge(u, v, np.minimum(c, FORBIDDEN).reshape(su, sv)))
+    limit = prob.get("usage_limit")
+    if limit is not None:
+        if isinstance(limit, bool) or not isinstance(limit, (int, float)) or math.isnan(limit):
+            raise ShardsolveError(f"{source}: problem.usage_limit must be a number")
+        if limit < 0:
+            raise ShardsolveError(f"{source}: problem.usage_limit = {limit} is negative")
+        limit = float(limit)
+    return Problem(tuple(nodes), tuple(edges), limit, (), name)
+
+
+def read_iopddl(path: str | os.PathLike) -> Problem:
+    """Read a contest instance (``.json`` or ``.json.gz``)."""
+    path = Path(path)
+    return problem_from_json(_load_json(path), path.name)
+
+
+# -- writing ------------------------------------------------------------------
+
+
+def _number(x: float) -> int | float:
+    """Integers stay integers in the JSON (the contest's instances are integral)."""
+    x = float(x)
+    if x >= FORBIDDEN or math.isinf(x):
+        return int(FORBIDDEN)
+    return int(x) if x.is_integer() and abs(x) < 2**63 else x
+
+
+def problem_to_json(problem: Problem) -> dict:
+    """The contest JSON of ``problem``; pins become forbidden (1e18) node costs."""
+    allowed: dict[int, set[int]] = {}
+    for pin in problem.pins:
+        allowed[pin.node] = allowed.get(pin.node, set(pin.allowed)) & set(pin.allowed)
+    costs = []
+    for i, node in enumerate(problem.nodes):
+        c = [_number(x) for x in node.costs]
+        if i in allowed:
+            c = [x if s in allowed[i] else int(FORBIDDEN) for s, x in enumerate(c)]
+        costs.append(c)
+    out: dict = {
+        "name": problem.name,
+        "nodes": {
+            "intervals": [[int(n.interval[0]), int(n.interval[1])] for n in problem.nodes],
+            "costs": costs,
+            "usages": [[_number(x) for x in n.usages] for n in problem.nodes],
+        },
+        "edges": {
+            "nodes": [[int(e.u), int(e.v)] for e in problem.edges],
+            "costs": [[_number(x) for x in e.costs.ravel()] for e in problem.edges],
+        },
+    }
+    if problem.usage_limit is not None:
+        out["usage_limit"] = _number(problem.usage_limit)
+    return {"problem": out}
+
+
+def _write_atomically(path: Path, payload: bytes) -> None:
+    """Write to a temporary file beside ``path``, then rename: never a half-written file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(payload)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+def write_iopddl(problem: Problem, path: str | os.PathLike) -> None:
+    """Write ``problem`` in the contest format (gzip-compressed when the name ends in ``.gz``)."""
+    path = Path(path)
+    payload = json.dumps(problem_to_json(problem), separators=(",", ":")).encode()
+    if path.suffix == ".gz":
+        payload = gzip.compress(payload, mtime=0)
+    _write_atomically(path, payload)
+
+
+def solution_to_json(problem: Problem, solution: Solution) -> dict:
+    """The contest's answer: one strategy index per node, plus cost, bound and status."""
+    cost = problem.evaluate(solution.assignment) if solution.assignment else math.inf
+    return {
+        "solution": [int(s) for s in solution.assignment],
+        "cost": _number(cost) if math.isfinite(cost) else None,
+        "lower_bound": _number(solution.lower_bound) if math.isfinite(solution.lower_bound) else None,
+        "status": solution.status,
+    }
+
+
+# -- command line ---------------------------------------------------------------
+
+
+def run(path: str | os.PathLike, time_limit: float | None = None, out: str | os.PathLike | None = None, console=None) -> int:
+    """Solve one contest instance and print cost, lower bound and gap.
+
+    Arguments: ``path`` the instance (``.json`` or ``.json.gz``); ``time_limit``
+    seconds for the search (``None``: 60); ``out`` where to write the answer JSON
+    (see :func:`solution_to_json`; written atomically), or ``None``; ``console`` a
+    ``rich.console.Console`` (a new one when ``None``).
+
+    Returns the exit status: 0 when a valid solution was found, 1 when none was
+    (infeasible or out of time); bad input raises ``ShardsolveError`` (the CLI
+    prints its one-line message and exits with 2).
+    """
+    from rich.console import Console
+    from rich.table import Table
+
+    from shardsolve.encodings import solve
+
+    console = console or Console()
+    started = time.perf_counter()
+    problem = read_iopddl(path)
+    console.print(
+        f"[bold]{Path(path).name}[/]: {len(problem.nodes):,} nodes, {len(problem.edges):,} edges, "
+        f"{problem.num_strategies:,} strategies, usage limit {problem.usage_limit if problem.usage_limit is not None else 'none'}"
+    )
+    limit = 60.0 if time_limit is None else float(time_limit)
+    with console.status("solving", spinner="dots") as status:
+
+        def progress(message: str, best: float, bound: float) -> None:
+            gap = f"{(best - bound) / best:.2%}" if math.isfinite(best) and best > 0 else "-"
+            status.update(f"{message}: cost {best:,.0f}, bound {bound:,.0f}, gap {gap}  [{time.perf_counter() - started:.0f}s]")
+
+        solution = solve(problem, time_limit=limit, progress=progress)
+    cost = problem.evaluate(solution.assignment) if solution.assignment else math.inf
+    table = Table(show_header=False)
+    table.add_row("status", solution.status)
+    table.add_row("cost", f"{cost:,.0f}" if math.isfinite(cost) else "no valid solution")
+    table.add_row("lower bound", f"{solution.lower_bound:,.0f}")
+    table.add_row("gap", f"{solution.gap:.3%}" if math.isfinite(solution.gap) else "-")
+    table.add_row("time", f"{time.perf_counter() - started:.1f} s")
+    if solution.conflict:
+        table.add_row("conflict", ", ".join(solution.conflict))
+    console.print(table)
+    if out is not None:
+        payload = json.dumps(solution_to_json(problem, solution), indent=None).encode()
+        _write_atomically(Path(out), payload)
+        console.print(f"wrote {out}")
+    return 0 if math.isfinite(cost) else 1
