@@ -100,7 +100,7 @@ def solve(
         if not math.isfinite(cost):  # defensive: never report an invalid assignment as a solution
             return Solution((), math.inf, bound, "unknown", time.perf_counter() - started, (), stats)
         bound = min(bound, cost)
-        if status != "optimal" and bound >= cost - 1e-9 * max(1.0, abs(cost)):
+        if status != "optimal" and bound >= cost - 1e-9 * abs(cost):
             status = "optimal"
         if status == "optimal":
             bound = cost
@@ -139,9 +139,34 @@ def solve(
         if x is not None and cost < best_cost:
             best_x, best_cost = np.asarray(x, dtype=np.int64), cost
 
-    # 1. Tiny: the whole model, exactly.
+    # 1. LP relaxation (moderate sizes): a bound, a guide for the search, and often the optimum.
+    #    Planner problems and IOPDDL B/G have an integral LP: its rounding is optimal.
+    guide = None
+    marginals = None
+    if flat.n <= LP_MAX_NODES and sum(int(np.isfinite(t).sum()) for t in flat.tables) <= bounds.LP_MAX_PAIRS:
+        lp_started = time.perf_counter()
+        lp_value, lp_margin, marginals = bounds.lp_solve(flat, time_limit=max(10.0, 0.5 * budget))
+        stats["lp_s"] = round(time.perf_counter() - lp_started, 3)
+        if lp_value == math.inf:
+            return infeasible(stats)
+        if math.isfinite(lp_value):
+            stats["lp_bound"] = lp_value - lp_margin + offset
+            bound = max(bound, lp_value - lp_margin)
+        if marginals is not None:
+            guide = np.array([int(np.argmax(m)) for m in marginals], dtype=np.int64)
+            budget -= LP_CHARGE * sum(len(c) for c in flat.costs) + LP_CHARGE * sum(t.size for t in flat.tables)
+            integral = all(float(np.max(m)) >= 1.0 - 1e-6 for m in marginals)
+            if integral:
+                c_guide = heuristics.evaluate(flat, guide)
+                # An integral LP optimum whose exact cost is the LP value: optimal (to the LP's tolerance).
+                if c_guide <= lp_value + 1e-9 * abs(c_guide):
+                    stats["proof"] = "integral LP"
+                    return finish(reduced.lift(guide), "optimal", bound + offset, stats)
+
+    # 2. Tiny: the whole model, exactly.
     if decision <= TINY_NODES:
-        result = cpsat.solve_cpsat(flat, time_limit=budget, seed=seed, workers=threads, progress=shifted)
+        hint = guide if guide is not None and math.isfinite(heuristics.evaluate(flat, guide)) else None
+        result = cpsat.solve_cpsat(flat, hint=hint, time_limit=budget, seed=seed, workers=threads, progress=shifted)
         stats.update(result.stats)
         if result.status == "infeasible":
             return infeasible(stats)
@@ -150,18 +175,6 @@ def solve(
             lifted = reduced.lift(result.assignment) if result.assignment is not None else None
             return finish(lifted, status, max(bound, result.lower_bound) + offset, stats)
         return finish(reduced.lift(result.assignment), "feasible", max(bound, result.lower_bound) + offset, stats)
-
-    # 2. LP relaxation (moderate sizes): a bound, and a guide for the search.
-    guide = None
-    if flat.n <= LP_MAX_NODES:
-        lp_value, marginals = bounds.lp_relaxation(flat, time_limit=max(10.0, 0.5 * budget))
-        stats["lp_bound"] = lp_value + offset if math.isfinite(lp_value) else None
-        if lp_value == math.inf:
-            return infeasible(stats)
-        bound = max(bound, lp_value)
-        if marginals is not None:
-            guide = np.array([int(np.argmax(m)) for m in marginals], dtype=np.int64)
-            budget -= LP_CHARGE * sum(len(c) for c in flat.costs) + LP_CHARGE * sum(t.size for t in flat.tables)
 
     # 3. Warm starts: heuristics, and the LP rounded (its fractional part solved exactly).
     if flat.n <= LARGE_NODES:
@@ -188,9 +201,11 @@ def solve(
     if best_x is None:
         # Least usage always fits memory but may break forbidden pairs: search the
         # softened problem (forbidden pairs at a finite penalty) until none is left.
+        # ICM on the softened problem first (seconds, even at 30k nodes) removes most of them.
         soft, penalty = heuristics.softened(flat)
+        start = heuristics.icm(soft, heuristics.least_usage(flat), sweeps=3)
         x_soft, c_soft, soft_stats = cpsat.lns(
-            soft, heuristics.least_usage(flat), budget=0.5 * budget, seed=seed, stop_below=penalty,
+            soft, start, budget=0.5 * budget, seed=seed, stop_below=penalty,
             wall_limit=0.5 * (wall_limit - (time.perf_counter() - started)),
         )
         budget -= soft_stats.get("lns_deterministic_s", 0.0)

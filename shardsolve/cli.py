@@ -121,6 +121,16 @@ def cmd_iopddl(args: argparse.Namespace) -> int:
 # -- main -------------------------------------------------------------------------
 
 
+def add_model_arguments(p: argparse.ArgumentParser, *, annotations_help: str, memory_help: str) -> None:
+    """The arguments every command that loads a model file takes."""
+    p.add_argument("model", metavar="FILE[:NAME]", help="model file, e.g. models/gpt2.py:gpt2")
+    p.add_argument("--mesh", required=True, help="mesh axes, e.g. data=2,model=4")
+    p.add_argument("--size", default="small", choices=("small", "large"), help="model size (default: small)")
+    p.add_argument("--annotations", default="default", choices=("default", "expert", "none"), help=annotations_help)
+    p.add_argument("--memory-limit", help=memory_help)
+    p.add_argument("--time-limit", type=float, help="solver time limit in seconds (default: until optimal)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="shardsolve",
@@ -135,13 +145,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Trace FILE[:NAME] (a function returning shardsolve.Model; NAME defaults to the file's stem), "
         "solve for the cheapest sharding of every value, print the plan and optionally write it as JSON.",
     )
-    p.add_argument("model", metavar="FILE[:NAME]", help="model file, e.g. models/gpt2.py:gpt2")
-    p.add_argument("--mesh", required=True, help="mesh axes, e.g. data=2,model=4")
-    p.add_argument("--size", default="small", choices=("small", "large"), help="model size (default: small)")
-    p.add_argument("--annotations", default="default", choices=("default", "expert", "none"),
-                   help="which of the model's annotations to pin (default: the model's own, usually the batch only)")
-    p.add_argument("--memory-limit", help="bytes per device, e.g. 16GiB (default: no limit)")
-    p.add_argument("--time-limit", type=float, help="solver time limit in seconds (default: until optimal)")
+    add_model_arguments(p, annotations_help="which of the model's annotations to pin (default: the model's own, "
+                        "usually the batch only)", memory_help="bytes per device, e.g. 16GiB (default: no limit)")
     p.add_argument("-o", "--output", help="write the plan as JSON to this file")
     p.add_argument("--top", type=int, default=10, help="how many collectives to list (default: 10)")
     p.set_defaults(func=cmd_plan)

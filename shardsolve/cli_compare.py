@@ -325,13 +325,10 @@ def add_parsers(sub: Any) -> None:
         "cost model: per-device FLOPs, memory and the collectives of the optimized HLO. Nothing runs; on a "
         "machine with fewer devices than the mesh, fake CPU devices are used.",
     )
-    p.add_argument("model", metavar="FILE[:NAME]", help="model file, e.g. models/gpt2.py:gpt2")
-    p.add_argument("--mesh", required=True, help="mesh axes, e.g. data=2,model=4")
-    p.add_argument("--size", default="small", choices=("small", "large"), help="model size (default: small)")
-    p.add_argument("--annotations", default="default", choices=("default", "expert", "none"),
-                   help="which of the model's annotations every program gets (default: the model's own)")
-    p.add_argument("--memory-limit", help="bytes per device for the plan and the 'fits' row, e.g. 16GiB")
-    p.add_argument("--time-limit", type=float, help="solver time limit in seconds (default: until optimal)")
+    from shardsolve.cli import add_model_arguments
+
+    add_model_arguments(p, annotations_help="which of the model's annotations every program gets (default: the "
+                        "model's own)", memory_help="bytes per device for the plan and the 'fits' row, e.g. 16GiB")
     p.add_argument("--no-expert", action="store_true", help="leave out the expert annotation column")
     p.add_argument("--explain", action="store_true", help="list the largest collectives of every column, and conflicts")
     p.add_argument("--top", type=int, default=8, help="collectives per column with --explain (default: 8)")
