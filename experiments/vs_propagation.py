@@ -216,6 +216,8 @@ def main(argv=None) -> int:
     sys.path.insert(0, str(ROOT))
     rows: list[Row] = []
     say = lambda m: print(f"  .. {m}", file=sys.stderr, flush=True)  # noqa: E731
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
     for name in args.models.split(","):
         for mesh in meshes:
             for setting in args.settings.split(","):
@@ -228,8 +230,7 @@ def main(argv=None) -> int:
                       + f"  shardsolve vs best propagation ({best_name}) {vp:.2f}x"
                       + (f", vs expert at equal memory {ve:.2f}x" if not math.isnan(ve) else "")
                       + f"  [{row.seconds:.0f} s]", flush=True)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
+                write_markdown(rows, out.with_suffix(".md"), args.size)  # an interrupted campaign keeps its rows
     write_markdown(rows, out.with_suffix(".md"), args.size)
     write_chart(rows, out.with_suffix(".png"))
     print(f"wrote {out.with_suffix('.md')} and {out.with_suffix('.png')}")
