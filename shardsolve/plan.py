@@ -356,7 +356,7 @@ class Plan:
 
 def _is_timing(key: str) -> bool:
     """Wall-clock figures differ run to run; plan files leave them out to stay byte-for-byte deterministic."""
-    return "time" in key or key == "wall_s" or key.endswith(("_wall_s", "build_s", "reduce_s"))
+    return "time" in key or (key.endswith("_s") and "deterministic" not in key)
 
 
 def _replace(plan: Plan, **changes) -> Plan:
