@@ -23,6 +23,7 @@ and ``memory_limit``.
 from __future__ import annotations
 
 import math
+import time
 from decimal import Decimal
 from fractions import Fraction
 
@@ -116,17 +117,22 @@ class SmtModel:
             if terms:
                 self.ctx.add(z3.Implies(m, z3.Sum(terms) <= _real(limit)))
 
-    def add_soft_costs(self) -> None:
-        """The objective as weighted soft constraints (z3's MaxSMT engine): pay ``c`` unless ``not b``."""
+    def add_soft_costs(self):
+        """The objective as weighted soft constraints (z3's MaxSMT engine): pay ``c`` unless ``not b``.
+
+        Returns the objective's handle (``None`` when nothing costs anything).
+        """
         opt = self.ctx
+        handle = None
         for i, n in enumerate(self.problem.nodes):
             for s, c in enumerate(n.costs):
                 if 0 < c < FORBIDDEN:
-                    opt.add_soft(z3.Not(self.b[i][s]), _weight(c))
+                    handle = opt.add_soft(z3.Not(self.b[i][s]), _weight(c))
         for e in self.problem.edges:
             costs = np.asarray(e.costs)
             for a, bb in zip(*np.nonzero((costs > 0) & (costs < FORBIDDEN))):
-                opt.add_soft(z3.Or(z3.Not(self.b[e.u][a]), z3.Not(self.b[e.v][bb])), _weight(costs[a, bb]))
+                handle = opt.add_soft(z3.Or(z3.Not(self.b[e.u][a]), z3.Not(self.b[e.v][bb])), _weight(costs[a, bb]))
+        return handle
 
     def objective(self) -> z3.ArithRef:
         terms = []
@@ -147,20 +153,31 @@ class SmtModel:
 
 
 def optimise(problem: Problem, timeout_ms: int = 60_000) -> tuple[tuple[int, ...] | None, float, str]:
-    """Exact optimum: (assignment or None, cost, "optimal" / "infeasible" / "unknown")."""
+    """Exact optimum: (assignment or None, cost, "optimal" / "infeasible" / "unknown").
+
+    With a timeout set, z3's MaxSMT search can be interrupted and still hand
+    back its incumbent: that result is reported "unknown", not "optimal".
+    """
     model = SmtModel(problem, optimise=True)
     opt = model.ctx
     opt.set("timeout", int(timeout_ms))
     for p in model.assumptions.values():
         opt.add(p)
-    model.add_soft_costs()
+    handle = model.add_soft_costs()
+    started = time.monotonic()
     result = opt.check()
-    if result == z3.sat:
-        x = model.decode(opt.model())
-        return x, problem.evaluate(x), "optimal"
+    elapsed_ms = (time.monotonic() - started) * 1e3
     if result == z3.unsat:
         return None, math.inf, "infeasible"
-    return None, math.inf, "unknown"
+    if result != z3.sat:
+        return None, math.inf, "unknown"
+    x = model.decode(opt.model())
+    interrupted = (
+        elapsed_ms >= 0.9 * timeout_ms
+        or "cancel" in opt.reason_unknown()
+        or (handle is not None and not z3.is_true(z3.simplify(handle.lower() == handle.upper())))
+    )
+    return x, problem.evaluate(x), "unknown" if interrupted else "optimal"
 
 
 def explain(problem: Problem, timeout_ms: int = 60_000) -> tuple[str, ...]:

@@ -73,7 +73,12 @@ def test_cpsat_and_z3_agree(problem):
         return
     assert status == "optimal"
     assert sol.status == "optimal"
-    assert sol.cost == pytest.approx(z3_cost, rel=1e-9)
+    assert problem.evaluate(sol.assignment) == sol.cost
+    # CP-SAT's optimum is never worse than z3's (a wrong CP-SAT "optimal" fails here). z3's
+    # MaxSMT has been seen to call a worse assignment optimal when a timeout is set; when
+    # CP-SAT beats it, the cheaper assignment is checked valid above and z3 is set aside.
+    assert sol.cost <= z3_cost * (1 + 1e-9) + 1e-12
+    assume(sol.cost >= z3_cost * (1 - 1e-9) - 1e-12)
 
 
 @FAST
