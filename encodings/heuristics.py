@@ -292,7 +292,7 @@ def forest_descent(flat: Flat, x: np.ndarray, penalty: np.ndarray, rng: np.rando
             if visited[root]:
                 continue
             # iterative DFS order
-            order, parent, pedge = [], {root: (-1, -1, True)}, []
+            order, parent = [], {root: (-1, -1, True)}
             stack = [root]
             visited[root] = True
             while stack:

@@ -28,7 +28,6 @@ import gzip
 import json
 import math
 import os
-import tempfile
 import time
 import zlib
 from pathlib import Path
@@ -37,6 +36,7 @@ from typing import Any
 import numpy as np
 
 from shardsolve.errors import ShardsolveError
+from shardsolve.files import write_atomically
 from shardsolve.problem import FORBIDDEN, Edge, Node, Problem, Solution
 
 __all__ = ["read_iopddl", "write_iopddl", "solution_to_json", "problem_from_json", "problem_to_json", "run"]
@@ -196,19 +196,8 @@ def problem_to_json(problem: Problem) -> dict:
 
 
 def _write_atomically(path: Path, payload: bytes) -> None:
-    """Write to a temporary file beside ``path``, then rename: never a half-written file."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(payload)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+    write_atomically(path, payload)
 
 
 def write_iopddl(problem: Problem, path: str | os.PathLike) -> None:

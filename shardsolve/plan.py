@@ -17,12 +17,12 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
 from shardsolve.errors import ShardsolveError
+from shardsolve.files import write_atomically
 from shardsolve.mesh import MeshAxis, MeshSpec
 from shardsolve.sharding import Sharding
 
@@ -344,14 +344,7 @@ class Plan:
         directory = path.parent if str(path.parent) else Path(".")
         if not directory.is_dir():
             raise ShardsolveError(f"cannot write {path}: directory {directory} does not exist")
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=directory)
-        try:
-            with os.fdopen(fd, "w") as f:
-                f.write(text + "\n")
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        write_atomically(path, (text + "\n").encode())
 
 
 def _is_timing(key: str) -> bool:

@@ -833,7 +833,7 @@ def carry_pairs(traced: Any, carry: Sequence[tuple[int, int]]) -> list[tuple[int
             raise ShardsolveError(
                 f"carry pair ({a}, {o}): argument {a} and output {o} have different pytree structures"
             )
-        (a0, a1), (o0, o1) = args[a], outs[o]
+        (a0, a1), (o0, _) = args[a], outs[o]
         for k in range(a1 - a0):
             if tuple(traced.in_avals[a0 + k].shape) != tuple(traced.out_avals[o0 + k].shape):
                 raise ShardsolveError(f"carry pair ({a}, {o}): leaf {k} changes shape between argument and output")
