@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import stat
 
 import jax
 import jax.numpy as jnp
@@ -139,6 +141,10 @@ def test_plan_is_deterministic_and_round_trips(tmp_path):
     assert a.dumps() == b.dumps()  # plan files are byte-for-byte deterministic
     path = tmp_path / "plan.json"
     a.save(path)
+    umask = os.umask(0)
+    os.umask(umask)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o666 & ~umask  # an ordinary file, not a private temp file
+    assert [p.name for p in tmp_path.iterdir()] == ["plan.json"]
     loaded = shardsolve.load_plan(path)
     assert loaded.inputs == a.inputs and loaded.ops == a.ops and loaded.collectives == a.collectives
     bound = shardsolve.load_plan(path, _mlp_step, params, x)
