@@ -6,11 +6,19 @@
         tiny (<= 60 decisions): CP-SAT on the whole model, exactly (milliseconds)
         moderate: LP relaxation with memory (GLOP): a certified bound, and its
                   rounding, with the fractional nodes solved exactly, as a start
-        warm starts: heuristics (least usage, Lagrangian forest DP, repair, ICM)
-        <= 400 decisions: the whole model, hinted, for a share of the budget
-        then: CP-SAT large-neighbourhood search (graph balls, time windows,
-              costliest nodes, disagreement with the LP)
-        bound: CP-SAT's / the LP's, or the dual (reparametrisation) bound
+        warm starts: heuristics (least usage, Lagrangian forest DP, repair, ICM);
+                  where the LP is skipped (up to 5,000 nodes): TRW-S decodings of
+                  the costs plus usage penalties, repaired (memory, ICM, forbidden pairs);
+                  when none is valid (large problems): least usage, ICM on the
+                  softened problem, and an exact repair of every component of
+                  forbidden-bearing edges that still holds a forbidden pair
+        <= 400 decisions and 5,000 strategies: the whole model, hinted, for a share of the budget
+        then (> 400 decisions): sweeps of component descent (components of
+              forbidden-bearing edges, costliest first, each solved exactly
+              with the rest held); then CP-SAT large-neighbourhood search (graph balls, time windows,
+              costliest nodes, disagreement with the LP, whole components)
+        bound: CP-SAT's / the LP's, or (LP too big) TRW-S message passing, memory
+               relaxed, for a share of the budget (and min-sum diffusion, the larger)
     --lift--> assignment of the original problem, cost from ``Problem.evaluate``
 
 On IOPDDL instances B and G the LP relaxation with the memory constraints is
@@ -20,9 +28,11 @@ integral or nearly so: its rounding is optimal and CP-SAT proves it.
 cannot hold together, from z3 unsat cores.
 
 Time limits are *deterministic* work budgets in seconds (CP-SAT's
-deterministic time plus a fixed charge per model term built), so the same
-problem and options give the same assignment byte for byte; a wall-clock
-safety net of twice the limit stops runaway work on an overloaded machine.
+deterministic time, a fixed charge per model term built, per node and edge
+reduced, and per node and edge visited by a Python pass), so the same
+problem and options give the same assignment byte for byte, as long as the
+budget is spent before a wall-clock safety net of ``WALL_SLACK`` (1.05)
+times the limit plus ``WALL_EXTRA`` (1 s) stops the search (see ``solve``).
 """
 
 from __future__ import annotations
@@ -45,12 +55,29 @@ DEFAULT_TIME_LIMIT = 30.0
 TINY_NODES = 60
 #: Up to this many decision nodes the whole model also gets a share of the budget after the warm start.
 EXACT_NODES = 400
+#: ... and at most this many strategies in all (IOPDDL V, 10k strategies on 294 nodes, gains nothing from it).
+EXACT_STRATEGIES = 5000
 #: The LP relaxation is built up to this many nodes (and ``bounds.LP_MAX_PAIRS`` pair variables).
 LP_MAX_NODES = 5000
 #: Above this many nodes (after reduction) the Python heuristics are skipped.
 LARGE_NODES = 5000
 #: Deterministic charge (seconds) per LP variable.
 LP_CHARGE = 2e-6
+#: Share of the remaining budget for ``cpsat.component_descent`` (sweeps) before the LNS.
+DESCENT_SHARE = 0.6
+#: Deterministic charge (seconds) per node and per edge of the input, for checking and reducing it.
+REDUCE_CHARGE = 1e-4
+#: TRW-S bound (where the LP is skipped): at most this many passes, and this share of the budget.
+TRWS_PASSES = 200
+TRWS_SHARE = 0.12
+#: TRW-S warm starts (up to ``LARGE_NODES``): usage penalties tried, per byte, relative to the start's cost
+#: per byte of capacity, each followed by ``TRWS_START_PASSES`` passes and a decoding.
+TRWS_PENALTIES = (0.0, 0.003, 0.01, 0.03, 0.1, 0.3, 1.0)
+TRWS_START_PASSES = 30
+#: Wall-clock safety net: ``WALL_SLACK * time_limit + WALL_EXTRA`` seconds, after which every stage
+#: stops at its next check (the final lift and evaluation still run).
+WALL_SLACK = 1.05
+WALL_EXTRA = 1.0
 #: Largest problem ``explain_infeasible`` hands to z3 (node strategies).
 EXPLAIN_MAX_STRATEGIES = 20_000
 
@@ -76,6 +103,18 @@ def solve(
     whole-model solves (default 1; results stay deterministic either way);
     ``progress(message, best_cost, lower_bound)`` is called as the search improves.
 
+    Determinism and wall time trade off. The budget is calibrated so that an
+    idle machine spends it in about ``time_limit`` seconds; a run that does
+    so is deterministic. The wall clock is only a safety net, at
+    ``1.05 * time_limit + 1`` seconds (then every stage stops at its next
+    check, and the final lift and evaluation take a few seconds more on the
+    largest problems): on a loaded machine the net ends the search first, so
+    the run takes about the limit in wall time, but where it stops, and so
+    the result, depends on the load. A larger net would keep such runs
+    deterministic at the price of overrunning the limit (by 1.5 times with a
+    net at 1.5 times); callers who want determinism on a loaded machine
+    should pass a smaller ``time_limit``.
+
     Returns a :class:`Solution` whose ``cost`` is ``problem.evaluate(assignment)``
     and whose ``lower_bound`` is certified. ``status``: ``"optimal"``,
     ``"feasible"``, ``"infeasible"`` (with ``conflict`` when it could be
@@ -89,7 +128,11 @@ def solve(
     except ValueError as exc:
         raise ShardsolveError(f"invalid problem {problem.name!r}: {exc}") from None
     budget = DEFAULT_TIME_LIMIT if time_limit is None else max(0.0, float(time_limit))
-    wall_limit = 2.0 * budget + 2.0
+    total_budget = budget
+    wall_limit = WALL_SLACK * budget + WALL_EXTRA
+
+    def wall_left() -> float:
+        return max(0.0, wall_limit - (time.perf_counter() - started))
     report = progress or _quiet
     threads = 1 if workers is None else max(1, int(workers))
 
@@ -117,6 +160,7 @@ def solve(
         return infeasible({"reduced": False})
     stats: dict = dict(reduced.stats)
     stats["reduce_s"] = round(time.perf_counter() - started, 3)
+    budget -= REDUCE_CHARGE * (len(problem.nodes) + len(problem.edges))
     offset = reduced.offset
     flat = heuristics.flatten(reduced.problem)
     decision = sum(1 for c in flat.costs if len(c) > 1)
@@ -166,7 +210,8 @@ def solve(
     # 2. Tiny: the whole model, exactly.
     if decision <= TINY_NODES:
         hint = guide if guide is not None and math.isfinite(heuristics.evaluate(flat, guide)) else None
-        result = cpsat.solve_cpsat(flat, hint=hint, time_limit=budget, seed=seed, workers=threads, progress=shifted)
+        result = cpsat.solve_cpsat(flat, hint=hint, time_limit=budget, seed=seed, workers=threads, progress=shifted,
+                                   wall_limit=wall_left())
         stats.update(result.stats)
         if result.status == "infeasible":
             return infeasible(stats)
@@ -181,6 +226,12 @@ def solve(
         x0, c0 = heuristics.warm_start(flat, seed=seed)
         consider(x0, c0)
         stats["warm_start_cost"] = c0 + offset if math.isfinite(c0) else None
+        if guide is None and decision > TINY_NODES:
+            # no LP to round: TRW-S decodings (memory penalised, then repaired) as further starts
+            x_t, c_t, used = _trws_starts(flat, c0, seed)
+            budget -= used
+            consider(x_t, c_t)
+            stats["trws_start_cost"] = c_t + offset if math.isfinite(c_t) else None
     if guide is not None:
         frac = np.array([len(m) > 1 and float(np.max(m)) < 1.0 - 1e-6 for m in marginals])
         free = set(np.flatnonzero(frac).tolist())
@@ -199,25 +250,38 @@ def solve(
             consider(guide, heuristics.evaluate(flat, guide))
         stats["lp_rounding_free_nodes"] = int(len(free_idx))
     if best_x is None:
-        # Least usage always fits memory but may break forbidden pairs: search the
-        # softened problem (forbidden pairs at a finite penalty) until none is left.
-        # ICM on the softened problem first (seconds, even at 30k nodes) removes most of them.
+        # Least usage always fits memory but may break forbidden pairs. ICM on the
+        # softened problem (forbidden pairs at a finite penalty) removes most of them;
+        # forbidden pairs only couple nodes within a component of forbidden-bearing
+        # edges, so each component still holding one is then solved exactly on its own.
         soft, penalty = heuristics.softened(flat)
         start = heuristics.icm(soft, heuristics.least_usage(flat), sweeps=3)
-        x_soft, c_soft, soft_stats = cpsat.lns(
-            soft, start, budget=0.5 * budget, seed=seed, stop_below=penalty,
+        budget -= 3 * heuristics.CHARGE_PER_ITEM * (flat.n + len(flat.tables))
+        start, used, repair_stats = cpsat.repair_forbidden(
+            flat, start, budget=0.5 * budget, seed=seed,
             wall_limit=0.5 * (wall_limit - (time.perf_counter() - started)),
         )
-        budget -= soft_stats.get("lns_deterministic_s", 0.0)
-        stats["repair_steps"] = soft_stats.get("lns_steps", 0)
-        consider(x_soft, heuristics.evaluate(flat, x_soft))
+        budget -= used
+        stats.update(repair_stats)
+        if repair_stats["repair_left"]:
+            # what is left (memory too tight around a component): search the softened problem
+            x_soft, c_soft, soft_stats = cpsat.lns(
+                soft, start, budget=0.5 * budget, seed=seed, stop_below=penalty,
+                wall_limit=0.5 * (wall_limit - (time.perf_counter() - started)),
+            )
+            budget -= soft_stats.get("lns_deterministic_s", 0.0)
+            stats["repair_steps"] = soft_stats.get("lns_steps", 0)
+            start = x_soft
+        consider(start, heuristics.evaluate(flat, start))
     if best_x is not None:
         report("warm start", best_cost + offset, bound + offset)
 
     # 4. Medium: the whole model, hinted, for a share of the budget (may prove optimality).
-    if decision <= EXACT_NODES or (best_x is None and flat.n <= LARGE_NODES):
+    strategies = sum(len(c) for c in flat.costs)
+    if (decision <= EXACT_NODES and strategies <= EXACT_STRATEGIES) or (best_x is None and flat.n <= LARGE_NODES):
         share = max(1.0, 0.1 * budget) if best_x is not None else max(1.0, 0.5 * budget)
-        result = cpsat.solve_cpsat(flat, hint=best_x, time_limit=share, seed=seed, workers=threads, progress=shifted)
+        result = cpsat.solve_cpsat(flat, hint=best_x, time_limit=share, seed=seed, workers=threads, progress=shifted,
+                                   wall_limit=0.5 * wall_left() if best_x is not None else wall_left())
         stats.update(result.stats)
         budget -= result.stats.get("cpsat_deterministic_s", 0.0) + cpsat.CHARGE_PER_STEP
         bound = max(bound, result.lower_bound)
@@ -229,19 +293,86 @@ def solve(
     if best_x is None:
         return finish(None, "unknown", bound + offset, stats)
 
-    # 5. Large-neighbourhood search.
-    remaining_wall = wall_limit - (time.perf_counter() - started)
+    # 5. Certified lower bound (memory relaxed) where the LP was too big: TRW-S, and min-sum diffusion
+    #    where it is cheap (the larger of the two).
+    if guide is None:
+        passes = _trws_passes(flat, min(total_budget, 2.0 * max(0.0, budget)))
+        trws_started = time.perf_counter()
+        value, _, _ = bounds.trws_bound(
+            flat, passes=passes, wall_limit=0.5 * wall_left(), final_only=True,
+        )
+        value -= 1e-9 * max(1.0, abs(value))  # floating-point margin, as ``dual_bound``'s
+        stats["trws_passes"] = passes
+        stats["trws_s"] = round(time.perf_counter() - trws_started, 3)
+        stats["trws_bound"] = value + offset
+        bound = max(bound, value)
+        budget -= (passes + 3) * heuristics.CHARGE_PER_ITEM * (flat.n + len(flat.tables))
+        if flat.n <= LARGE_NODES:
+            bound = max(bound, bounds.dual_bound(flat, iterations=50))
+            budget -= 100 * heuristics.CHARGE_PER_ITEM * (flat.n + len(flat.tables))
+
+    # 6. Component descent (where forbidden pairs tie nodes together), then large-neighbourhood search.
+    if decision > EXACT_NODES:
+        x, cost, used, descent_stats = cpsat.component_descent(
+            flat, best_x, budget=DESCENT_SHARE * max(0.0, budget), seed=seed,
+            wall_limit=DESCENT_SHARE * (wall_limit - (time.perf_counter() - started)),
+        )
+        budget -= used
+        stats.update(descent_stats)
+        consider(x, cost)
+        report("component descent", best_cost + offset, bound + offset)
     x, cost, lns_stats = cpsat.lns(
         flat, best_x, budget=max(0.0, budget), seed=seed, progress=shifted,
-        lower_bound=bound, wall_limit=max(0.0, 0.9 * remaining_wall), guide=guide,
+        lower_bound=bound, wall_limit=wall_left(), guide=guide,
     )
     stats.update(lns_stats)
     consider(x, cost)
-
-    # 6. Certified lower bound (memory relaxed) where the LP was too big.
-    if guide is None:
-        bound = max(bound, bounds.dual_bound(flat, iterations=3 if flat.n > LARGE_NODES else 50))
     return finish(reduced.lift(best_x), "feasible", bound + offset, stats)
+
+
+def _trws_passes(flat, budget: float) -> int:
+    """TRW-S passes that fit ``TRWS_SHARE`` of ``budget`` (a pass costs about a sweep over nodes and edges)."""
+    from shardsolve.encodings.heuristics import CHARGE_PER_ITEM
+
+    per_pass = 1.5 * CHARGE_PER_ITEM * (flat.n + len(flat.tables))  # the table work: above a plain sweep
+    return int(max(2, min(TRWS_PASSES, TRWS_SHARE * budget / per_pass)))
+
+
+def _trws_starts(flat, reference: float, seed: int) -> tuple[np.ndarray | None, float, float]:
+    """Warm starts from TRW-S decodings of the costs plus a usage penalty, repaired; the best, its cost, the work.
+
+    The decoding ignores memory; the penalty (``mu`` times the reference
+    cost per byte of capacity, on every byte a strategy uses) steers it
+    towards assignments that fit. Each decoding is repaired: memory first
+    (``heuristics.repair`` on the softened problem), then ICM on the softened
+    problem, then ``cpsat.repair_forbidden`` for the forbidden pairs left.
+    """
+    import dataclasses
+
+    from shardsolve.encodings import bounds, cpsat, heuristics
+
+    soft, _ = heuristics.softened(flat)
+    cap = float(np.abs(flat.capacity).max()) if len(flat.capacity) else 1.0
+    if not math.isfinite(reference):
+        reference = heuristics.evaluate(soft, heuristics.least_usage(flat))
+    scale = abs(reference) if math.isfinite(reference) and reference != 0 else 1.0
+    usages = [np.asarray(u, dtype=np.float64) for u in flat.usages]
+    best_x, best_cost, spent = None, math.inf, 0.0
+    items = flat.n + len(flat.tables)
+    for k, mu in enumerate(TRWS_PENALTIES):
+        if mu and not len(flat.capacity):
+            break
+        per_byte = mu * scale / max(cap, 1e-300)
+        penalised = dataclasses.replace(flat, costs=tuple(c + per_byte * u for c, u in zip(flat.costs, usages)))
+        decoded: list = []
+        bounds.trws_bound(penalised, passes=TRWS_START_PASSES, decoded=decoded)
+        x = heuristics.icm(soft, heuristics.repair(soft, decoded[0]), sweeps=3)
+        x, used, _ = cpsat.repair_forbidden(flat, x, budget=1.0, seed=seed + k)
+        spent += used + (1.5 * TRWS_START_PASSES + 5) * heuristics.CHARGE_PER_ITEM * items
+        cost = heuristics.evaluate(flat, x)
+        if cost < best_cost:
+            best_x, best_cost = x, cost
+    return best_x, best_cost, spent
 
 
 def explain_infeasible(problem: Problem) -> tuple[str, ...]:

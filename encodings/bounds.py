@@ -1,6 +1,6 @@
 r"""Certified lower bounds for the strategy-selection problem.
 
-Two bounds, both valid for every feasible assignment (never above the optimum):
+Three bounds, all valid for every feasible assignment (never above the optimum):
 
 **Dual (reparametrisation) bound**, cheap on big instances. Any
 reparametrisation ``theta`` of the costs (moving ``m(a)`` from edge ``(u, v)``
@@ -14,6 +14,16 @@ node ``i`` with incident edges ``e``, ``m_e(s) = min_b theta_e(s, b)``,
 ``total(s) = theta_i(s) + sum_e m_e(s)``; then every edge gets
 ``theta_e(s, b) - m_e(s) + total(s) / (deg + 1)`` and the node keeps
 ``total(s) / (deg + 1)``. Each update never lowers ``LB``. Memory is relaxed.
+
+**TRW-S bound** (``trws_bound``, sequential tree-reweighted message passing,
+memory relaxed): the same reparametrisation bound, with the reparametrisation
+found by passes of messages in node order, alternately forward and backward.
+It reaches the LP optimum of the memory-relaxed problem (tight on planner
+problems) in tens of passes where min-sum diffusion plateaus below it, and is
+exact on trees. A pass costs one table operation per edge; ``solve`` uses it
+where the LP is too big. ``trws_decode`` reads an assignment off its messages
+(each node, in order, at its best given the nodes before it and the messages
+of those after); ``solve`` repairs such decodings into warm starts.
 
 **LP bound** (GLOP), for moderate sizes: the local marginal polytope with the
 memory constraints kept::
@@ -38,12 +48,13 @@ relative to the problem's own cost scale, never to 1.
 from __future__ import annotations
 
 import math
+import time
 
 import numpy as np
 
 from shardsolve.encodings.heuristics import Flat
 
-__all__ = ["trivial_bound", "dual_bound", "lp_bound", "lp_relaxation", "lower_bound"]
+__all__ = ["trivial_bound", "dual_bound", "trws_bound", "trws_decode", "lp_bound", "lp_relaxation", "lower_bound"]
 
 #: LP bounds are only attempted up to this many pair variables.
 LP_MAX_PAIRS = 300_000
@@ -111,6 +122,132 @@ def dual_bound(flat: Flat, iterations: int = 20) -> float:
         best = now
     # floating-point safety margin
     return best - 1e-9 * max(1.0, abs(best))
+
+
+def trws_bound(
+    flat, passes: int = 60, target: float = math.inf, decoded: list | None = None, *,
+    wall_limit: float | None = None, final_only: bool = False,
+) -> tuple[float, list[np.ndarray], list[np.ndarray]]:
+    """A certified lower bound by sequential tree-reweighted message passing (TRW-S), memory relaxed.
+
+    Passes alternate forward and backward over the nodes in index order;
+    node ``i`` sends ``M_ij(b) = min_a (g_i * hat_i(a) - M_ji(a) + C_ij(a, b))``
+    to each neighbour ``j`` after it in the pass, where ``hat_i`` is ``i``'s
+    cost plus every message into it and ``g_i = 1 / max(#earlier, #later
+    neighbours)``. After each pass the costs are reparametrised exactly:
+    each edge ``(i, j)`` (``i`` first in the pass) holds ``C_ij + g_i * hat_i
+    - M_ji - M_ij``, each node ``(1 - g_i * #later) * hat_i``; every
+    assignment costs the same under them, so the sum of their minima is a
+    lower bound whatever the messages are. It usually reaches the LP optimum
+    (tight on planner problems) in tens of passes, where min-sum diffusion
+    (``bounds.dual_bound``) needs hundreds.
+
+    Stops after ``passes`` or once the bound reaches ``target``. Returns the
+    best bound and its reparametrised node and edge costs (forbidden entries
+    stand in as a large finite cost). With a list ``decoded``, appends an
+    assignment read off the final messages (each node, in order, at its
+    cheapest given the nodes before it and the messages of those after).
+
+    The work is about ``passes * (nodes + edges)`` table operations (one
+    pass costs about as much as one bound check, done after passes 2, 4, 8
+    and every fourth; with ``final_only``, only after the last, as the bound
+    rarely falls from one pass to the next). ``wall_limit`` (seconds) is a safety net: once it has
+    passed, the bound is checked and the passes stop (only then does the
+    result depend on the machine's speed). The bound carries no
+    floating-point margin: callers subtract one relative to their costs.
+    """
+    started = time.perf_counter()
+    n = flat.n
+    big = _big(flat)
+    costs = [_finite_part(c, big) for c in flat.costs]
+    tables = [_finite_part(t, big) for t in flat.tables]
+    eu = [int(u) for u in flat.eu]
+    ev = [int(v) for v in flat.ev]
+    to_v = [np.zeros(len(costs[v])) for v in ev]  # message u -> v, over v's strategies
+    to_u = [np.zeros(len(costs[u])) for u in eu]
+    earlier = np.zeros(n, dtype=np.int64)
+    later = np.zeros(n, dtype=np.int64)
+    for u, v in zip(eu, ev):
+        later[min(u, v)] += 1
+        earlier[max(u, v)] += 1
+    gamma = 1.0 / np.maximum(1, np.maximum(earlier, later))
+
+    def hats() -> list[np.ndarray]:
+        out = [c.copy() for c in costs]
+        for e in range(len(tables)):
+            out[ev[e]] += to_v[e]
+            out[eu[e]] += to_u[e]
+        return out
+
+    def reparametrised(forward: bool) -> tuple[float, list[np.ndarray], list[np.ndarray]]:
+        hat = hats()
+        sends = np.zeros(n)
+        edge_terms = []
+        for e, t in enumerate(tables):
+            u, v = eu[e], ev[e]
+            if (u < v) == forward:  # u goes first in this pass
+                sends[u] += 1
+                edge_terms.append(t + (gamma[u] * hat[u] - to_u[e])[:, None] - to_v[e][None, :])
+            else:
+                sends[v] += 1
+                edge_terms.append(t + (gamma[v] * hat[v] - to_v[e])[None, :] - to_u[e][:, None])
+        node_terms = [(1.0 - gamma[i] * sends[i]) * hat[i] for i in range(n)]
+        value = sum(float(t.min()) for t in edge_terms) + sum(float(t.min()) for t in node_terms)
+        return value, node_terms, edge_terms
+
+    # Per node and direction: (edge, message in, oriented table rows = this node); hats kept up to date.
+    msgs = {True: to_v, False: to_u}  # is_u -> the list holding messages from u (to v) / from v (to u)
+    plan: list[tuple[list, list]] = []
+    for i in range(n):
+        ahead, behind = [], []
+        for e, j, is_u in flat.adj[i]:
+            table = tables[e] if is_u else np.ascontiguousarray(tables[e].T)
+            (ahead if j > i else behind).append((e, is_u, j, table))
+        plan.append((ahead, behind))
+    hat = hats()
+    if final_only and passes > 0:
+        best, best_nodes, best_edges = -math.inf, None, None
+    else:
+        best, best_nodes, best_edges = reparametrised(True)
+    for k in range(passes):
+        forward = k % 2 == 0
+        for i in (range(n) if forward else range(n - 1, -1, -1)):
+            send = plan[i][0] if forward else plan[i][1]
+            if not send:
+                continue
+            share = gamma[i] * hat[i]
+            for e, is_u, j, table in send:
+                incoming = msgs[not is_u][e]  # the message j sent to i
+                m = ((share - incoming)[:, None] + table).min(axis=0)
+                m -= m.min()
+                out = msgs[is_u]
+                hat[j] += m - out[e]
+                out[e] = m
+        late = wall_limit is not None and time.perf_counter() - started > wall_limit
+        often = not final_only and (k in (1, 3, 7) or k % 4 == 3)
+        if often or k == passes - 1 or late:  # a bound costs about a pass: check less often
+            value, node_terms, edge_terms = reparametrised(forward)
+            if value > best:
+                best, best_nodes, best_edges = value, node_terms, edge_terms
+            if best >= target or late:
+                break
+    if decoded is not None:
+        decoded.append(trws_decode(flat, costs, tables, to_u, to_v))
+    return best, best_nodes, best_edges
+
+
+def trws_decode(flat, costs, tables, to_u, to_v) -> np.ndarray:
+    """An assignment from TRW-S messages: nodes in order, each at its best given the ones before it."""
+    x = np.full(flat.n, -1, dtype=np.int64)
+    for i in range(flat.n):
+        score = costs[i].copy()
+        for e, j, is_u in flat.adj[i]:
+            if x[j] >= 0:
+                score += tables[e][:, x[j]] if is_u else tables[e][x[j], :]
+            else:
+                score += to_u[e] if is_u else to_v[e]
+        x[i] = int(np.argmin(score))
+    return x
 
 
 def lp_bound(flat: Flat, time_limit: float = 10.0) -> float:

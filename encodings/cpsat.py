@@ -50,9 +50,10 @@ from typing import Callable
 import numpy as np
 from ortools.sat.python import cp_model
 
-from shardsolve.encodings.heuristics import Flat, evaluate, excess_costs, neighbourhood, profile, prune, subproblem
+from shardsolve.encodings.heuristics import CHARGE_PER_ITEM, Flat, evaluate, excess_costs, neighbourhood, profile, prune, subproblem
 
-__all__ = ["CpSatResult", "CpSatEncoding", "solve_cpsat", "solve_neighbourhood", "reduce_table", "lns"]
+__all__ = ["CpSatResult", "CpSatEncoding", "solve_cpsat", "solve_neighbourhood", "reduce_table", "lns",
+           "forbidden_components", "violated_edges", "repair_forbidden", "component_descent"]
 
 #: Edges with at most this many positive residual entries get one Boolean per entry.
 PAIR_VARIABLE_LIMIT = 0
@@ -64,9 +65,17 @@ TARGET_UNITS = 1e9
 #: Wall-clock safety net: this multiple of the deterministic limit, plus a few seconds.
 WALL_FACTOR = 3.0
 #: Deterministic charge (seconds) per model variable or term built, covering Python and presolve work.
-CHARGE_PER_TERM = 2e-6
+CHARGE_PER_TERM = 5e-6
+#: A neighbourhood's CP-SAT deterministic time is charged this many times over: on models with
+#: long memory constraints (IOPDDL K, P, S) CP-SAT's wall time runs several times its deterministic time.
+NEIGHBOURHOOD_FACTOR = 3.0
 #: Deterministic charge (seconds) per neighbourhood, whatever its size.
 CHARGE_PER_STEP = 0.005
+#: Largest neighbourhood ``repair_forbidden`` frees at once (a ball inside a bigger component).
+REPAIR_MAX_NODES = 400
+#: ``component_descent``: largest neighbourhood, and the nodes around a small component freed with it.
+DESCENT_MAX_NODES = 600
+DESCENT_GROW = 100
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,10 +170,11 @@ class CpSatEncoding:
     def choose_scale(self) -> None:
         """Integer units: the reference cost (above the offset) maps to about ``TARGET_UNITS``."""
         ref = self._reference - self.offset if math.isfinite(self._reference) else math.inf
-        if not math.isfinite(ref) or ref <= 0:
+        if not math.isfinite(ref) or ref <= 1e-12 * max(1.0, abs(self.offset)):
             ref = sum(float(c[np.isfinite(c)].max(initial=0.0)) for c in self.node_costs)
             ref += sum(float(r[np.isfinite(r)].max(initial=0.0)) for r in self.residuals)
-        ref = max(ref, 1e-300)
+        if not ref > 1e-12 * max(1.0, abs(self.offset)):
+            ref = max(1.0, abs(self.offset))  # nothing left to optimise: any unit will do
         self.scale = TARGET_UNITS / ref
         self.cap = 16.0 * ref  # entries above this are capped (never part of a better solution)
         n_terms = len(self.node_costs) + len(self.residuals)
@@ -229,15 +239,26 @@ class CpSatEncoding:
         if not flat.binding:
             return
         usage, cap = _integral_usage(flat)
-        for t in flat.binding:
-            live = flat.live(t)
-            expr = []
+        node_vars: list[list[cp_model.IntVar]] = []
+        node_coeffs: list[list[int]] = []
+        for i, u in enumerate(usage):
+            nz = np.flatnonzero(u > 0)
+            node_vars.append([self.x[i][s] for s in nz])
+            node_coeffs.append([int(u[s]) for s in nz])
+        binding = np.asarray(flat.binding, dtype=np.int64)
+        # live nodes of every binding segment: nodes sorted by start, those not yet ended
+        order = np.argsort(flat.seg_start, kind="stable")
+        for t in binding:
+            live = order[: np.searchsorted(flat.seg_start[order], t, side="right")]
+            live = np.sort(live[flat.seg_end[live] > t])
+            vs: list[cp_model.IntVar] = []
+            cs: list[int] = []
             for i in live:
-                for s in np.flatnonzero(usage[i] > 0):
-                    expr.append((self.x[i][s], int(usage[i][s])))
-            self.size += len(expr)
-            if expr:
-                self.model.add(sum(c * v for v, c in expr) <= int(cap[t]))
+                vs.extend(node_vars[i])
+                cs.extend(node_coeffs[i])
+            self.size += len(vs)
+            if vs:
+                self.model.add(cp_model.LinearExpr.weighted_sum(vs, cs) <= int(cap[t]))
             elif cap[t] < 0:
                 self.model.add_bool_or([])  # infeasible: even the least usages do not fit
 
@@ -298,8 +319,13 @@ def solve_cpsat(
     workers: int = 2,
     progress: Callable[[str, float, float], None] | None = None,
     log: bool = False,
+    wall_limit: float | None = None,
 ) -> CpSatResult:
-    """Solve ``flat`` with CP-SAT; never worse than a feasible ``hint``."""
+    """Solve ``flat`` with CP-SAT; never worse than a feasible ``hint``.
+
+    ``time_limit`` is CP-SAT's deterministic time; the wall clock is capped at
+    a multiple of it, and at ``wall_limit`` seconds when given.
+    """
     started = time.perf_counter()
     hint_cost = evaluate(flat, hint) if hint is not None else math.inf
     encoding = CpSatEncoding(flat, hint_cost)
@@ -313,6 +339,8 @@ def solve_cpsat(
     params.interleave_search = params.num_workers > 1  # deterministic with several workers
     params.max_deterministic_time = float(time_limit)
     params.max_time_in_seconds = WALL_FACTOR * float(time_limit) + 5.0
+    if wall_limit is not None:
+        params.max_time_in_seconds = max(0.5, min(params.max_time_in_seconds, float(wall_limit)))
     params.log_search_progress = log
     callback = _Progress(encoding, progress)
     status = solver.solve(encoding.model, callback)
@@ -360,13 +388,23 @@ def solve_neighbourhood(flat: Flat, hint: np.ndarray, limit: float, seed: int) -
     params.max_deterministic_time = float(limit)
     params.max_time_in_seconds = WALL_FACTOR * float(limit) + 1.0
     params.symmetry_level = 0
+    params.linearization_level = 0  # the LP relaxation costs more wall time than it saves on small neighbourhoods
     status = solver.solve(encoding.model)
-    used = solver.deterministic_time + CHARGE_PER_STEP + CHARGE_PER_TERM * encoding.size
+    used = NEIGHBOURHOOD_FACTOR * solver.deterministic_time + CHARGE_PER_STEP + CHARGE_PER_TERM * encoding.size
     if status in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         x = encoding.decode(solver)
         x = np.array([m[s] for m, s in zip(maps, x)], dtype=np.int64)
         return x, evaluate(full, x), status == cp_model.OPTIMAL, used
     return None, math.inf, False, used
+
+
+def _moved_profile(flat: Flat, prof: np.ndarray, free: np.ndarray, old: np.ndarray, new: np.ndarray) -> np.ndarray:
+    """The memory profile after nodes ``free`` move from strategies ``old`` to ``new``."""
+    delta = np.zeros(len(flat.capacity) + 1)
+    change = np.array([flat.usages[i][b] - flat.usages[i][a] for i, a, b in zip(free, old, new)])
+    np.add.at(delta, flat.seg_start[free], change)
+    np.add.at(delta, flat.seg_end[free], -change)
+    return prof + np.cumsum(delta)[:-1]
 
 
 def lns(
@@ -388,8 +426,12 @@ def lns(
     Neighbourhoods alternate between graph balls and time windows (nodes live
     around a binding memory segment, grown along edges). Their size adapts:
     it grows after a neighbourhood is solved to optimality and shrinks after
-    a time-out. With ``guide`` (e.g. the rounded LP relaxation), every fourth
-    neighbourhood grows from nodes where ``x`` disagrees with it. ``budget`` is deterministic work (CP-SAT deterministic time
+    a time-out. With ``guide`` (e.g. the rounded LP relaxation), one
+    neighbourhood in each round grows from nodes where ``x`` disagrees with it.
+    When forbidden pairs tie nodes into components (functional edges: one
+    node's strategy fixes another's), one neighbourhood per round is a whole
+    component, drawn by its excess cost, and the nodes around it: such
+    nodes can only change together. ``budget`` is deterministic work (CP-SAT deterministic time
     plus a fixed charge per neighbourhood), so runs are reproducible;
     ``wall_limit`` is a wall-clock safety net.
     """
@@ -407,18 +449,30 @@ def lns(
     spent = 0.0
     prof = profile(flat, x) if len(flat.capacity) else None
     step = 0
+    excess, excess_step = None, 0
+    kinds = [0, 1, 2] + ([3] if guide is not None else [])
+    comp = forbidden_components(flat)
+    spent += CHARGE_PER_ITEM * (flat.n + len(flat.tables))
+    if np.bincount(comp).max(initial=0) > 1:
+        kinds.append(4)
     while spent < budget and cost >= stop_below:
         if wall_limit is not None and time.perf_counter() - started > wall_limit:
             break
-        kind = step % (3 if guide is None else 4)
-        if kind == 2:
-            weights = excess_costs(flat, x)
+        kind = kinds[step % len(kinds)]
+        if kind in (2, 4):
+            if excess is None or step - excess_step >= 3 * len(kinds):  # a full pass: refreshed every third use
+                excess, excess_step = excess_costs(flat, x), step
+                spent += CHARGE_PER_ITEM * (flat.n + len(flat.tables))
+            weights = excess
         elif kind == 3:  # nodes where the incumbent and the LP relaxation disagree
             weights = (x != guide).astype(np.float64)
             kind = 2
         else:
             weights = None
-        free = neighbourhood(flat, int(size), rng, decision, kind, weights)
+        if kind == 4:
+            free = _component_neighbourhood(flat, int(size), rng, decision, comp, weights)
+        else:
+            free = neighbourhood(flat, int(size), rng, decision, kind, weights)
         sub = subproblem(flat, free, x, prof)
         before = evaluate(sub, x[free])
         y, after, optimal, used = solve_neighbourhood(sub, x[free], min(step_limit, budget - spent + 1e-3), seed + step)
@@ -427,10 +481,10 @@ def lns(
         if log is not None:
             log.append((kind, len(free), optimal, before - after if y is not None else 0.0, used))
         if y is not None and after < before - 1e-9 * max(1.0, abs(before)):
-            x[free] = y
             if prof is not None:
-                prof = profile(flat, x)
-            cost = evaluate(flat, x)
+                prof = _moved_profile(flat, prof, free, x[free], y)
+            x[free] = y
+            cost += after - before
             stats["lns_improvements"] += 1
             if progress is not None:
                 progress("LNS", cost + offset, lower_bound)
@@ -438,7 +492,195 @@ def lns(
             size = min(float(n_dec), size * 1.15 + 1)
         else:
             size = max(8.0, size * 0.85)
+    cost = evaluate(flat, x)  # exact, without the rounding of the running sum
     stats["lns_steps"] = step
     stats["lns_final_size"] = int(size)
     stats["lns_deterministic_s"] = round(spent, 3)
     return x, cost, stats
+
+
+# -- repairing forbidden pairs ------------------------------------------------------------
+
+
+def forbidden_components(flat: Flat) -> np.ndarray:
+    """Per node, its component in the graph of edges that have a forbidden entry.
+
+    Forbidden pairs only couple nodes within one such component, so a
+    component can be made consistent on its own with every other node held.
+    """
+    from scipy.sparse import coo_matrix
+    from scipy.sparse.csgraph import connected_components
+
+    forb = np.array([not np.isfinite(t).all() for t in flat.tables], dtype=bool)
+    graph = coo_matrix((np.ones(int(forb.sum())), (flat.eu[forb], flat.ev[forb])), shape=(flat.n, flat.n))
+    return connected_components(graph, directed=False)[1]
+
+
+def violated_edges(flat: Flat, x: np.ndarray) -> np.ndarray:
+    """Indices of the edges whose chosen pair is forbidden in ``x``."""
+    return np.array([k for k, t in enumerate(flat.tables) if not np.isfinite(t[x[flat.eu[k]], x[flat.ev[k]]])],
+                    dtype=np.int64)
+
+
+def _ball(flat: Flat, seeds: list[int], allowed: np.ndarray, size: int) -> np.ndarray:
+    """Breadth-first ball of at most ``size`` nodes from ``seeds`` along edges, within ``allowed``."""
+    seen = np.zeros(flat.n, dtype=bool)
+    order = []
+    for s in seeds:
+        if not seen[s]:
+            seen[s] = True
+            order.append(s)
+    head = 0
+    while head < len(order) and len(order) < size:
+        i = order[head]
+        head += 1
+        for _, j, _ in flat.adj[i]:
+            if allowed[j] and not seen[j]:
+                seen[j] = True
+                order.append(j)
+                if len(order) >= size:
+                    break
+    return np.array(sorted(order), dtype=np.int64)
+
+
+def _component_neighbourhood(flat: Flat, size: int, rng: np.random.Generator, decision: np.ndarray,
+                             comp: np.ndarray, weights: np.ndarray) -> np.ndarray:
+    """The component (of forbidden-bearing edges) of a node drawn by ``weights``, grown along edges to ``size``.
+
+    A component larger than ``size`` gives a ball of ``size`` nodes inside it.
+    """
+    w = np.where(decision, weights, 0.0)
+    if float(w.sum()) <= 0:
+        w = decision.astype(np.float64)
+    seed = int(rng.choice(flat.n, p=w / w.sum()))
+    members = np.flatnonzero((comp == comp[seed]) & decision)
+    if len(members) >= size:
+        return _ball(flat, [seed], (comp == comp[seed]) & decision, size)
+    return _ball(flat, [seed] + [int(i) for i in members if i != seed], decision, size)
+
+
+def repair_forbidden(flat: Flat, x: np.ndarray, *, budget: float, seed: int = 0,
+                     wall_limit: float | None = None) -> tuple[np.ndarray, float, dict]:
+    """Make ``x`` free of forbidden pairs, one component of forbidden-bearing edges at a time.
+
+    ``x`` must respect memory (e.g. least usage, then ICM on the softened
+    problem). For every component holding a forbidden pair (in the order of
+    the edges that break one), its nodes (a ball around the pair when the component has more
+    than ``REPAIR_MAX_NODES``) are freed and solved exactly by CP-SAT with
+    everything else held, forbidden pairs and memory hard, the true costs as
+    objective. Every such component is visited whatever ``budget`` says
+    (it only sets how long each solve may take, at least 0.05 s): a valid
+    assignment matters more than the time limit. Returns the new assignment,
+    the deterministic work spent and stats (``repair_left``: forbidden pairs
+    still present).
+    """
+    started = time.perf_counter()
+    x = np.asarray(x, dtype=np.int64).copy()
+    stats = {"repair_components": 0, "repair_left": 0}
+    bad = violated_edges(flat, x)
+    if not len(bad):
+        return x, 0.0, stats
+    comp = forbidden_components(flat)
+    decision = np.array([len(c) > 1 for c in flat.costs])
+    prof = profile(flat, x) if len(flat.capacity) else None
+    spent = 0.0
+    done: set[int] = set()
+    for k in bad:
+        if wall_limit is not None and time.perf_counter() - started > wall_limit:
+            break  # only the wall-clock safety net stops it: the budget shapes each solve, not their number
+        u, v = int(flat.eu[k]), int(flat.ev[k])
+        if np.isfinite(flat.tables[k][x[u], x[v]]):
+            continue  # an earlier repair fixed it
+        c = int(comp[u])
+        members = (comp == c) & decision
+        if c in done or members.sum() > REPAIR_MAX_NODES:
+            free = _ball(flat, [u, v], decision, REPAIR_MAX_NODES)
+        else:
+            free = np.flatnonzero(members)
+        done.add(c)
+        if not len(free):
+            continue
+        sub = subproblem(flat, free, x, prof)
+        limit = min(1.0 + 0.01 * len(free), max(0.05, budget - spent))
+        y, _, _, used = solve_neighbourhood(sub, x[free], limit, seed + len(done))
+        spent += used
+        stats["repair_components"] += 1
+        if y is None:
+            continue
+        if prof is not None:
+            prof = _moved_profile(flat, prof, free, x[free], y)
+        x[free] = y
+    stats["repair_left"] = int(len(violated_edges(flat, x)))
+    stats["repair_deterministic_s"] = round(spent, 3)
+    return x, spent, stats
+
+
+def component_descent(flat: Flat, x: np.ndarray, *, budget: float, seed: int = 0, max_sweeps: int = 4,
+                      wall_limit: float | None = None) -> tuple[np.ndarray, float, float, dict]:
+    """Block coordinate descent over the components of forbidden-bearing edges.
+
+    Components are visited by decreasing excess cost (``excess_costs``); each
+    is freed with about ``DESCENT_GROW`` nodes around it (a ball of
+    ``DESCENT_MAX_NODES`` around its costliest node when bigger) and solved by
+    CP-SAT, everything else held. Functional edges make a component's nodes
+    change together, which single-node moves and random balls rarely manage:
+    on IOPDDL P one sweep halves the cost of the least-usage start. Sweeps
+    repeat (up to ``max_sweeps``) while one gains at least 0.1% and budget is left.
+    ``x`` must be feasible. Returns (assignment, cost, deterministic work, stats).
+    """
+    started = time.perf_counter()
+    x = np.asarray(x, dtype=np.int64).copy()
+    cost = evaluate(flat, x)
+    stats = {"descent_steps": 0, "descent_improvements": 0}
+    if not math.isfinite(cost):
+        return x, cost, 0.0, stats
+    comp = forbidden_components(flat)
+    decision = np.array([len(c) > 1 for c in flat.costs])
+    spent = CHARGE_PER_ITEM * (flat.n + len(flat.tables))
+    prof = profile(flat, x) if len(flat.capacity) else None
+    for sweep in range(max_sweeps):
+        swept = cost
+        x, cost, spent = _descent_sweep(flat, x, cost, comp, decision, prof, budget, spent, seed, stats, started, wall_limit)
+        if len(flat.capacity):
+            prof = profile(flat, x)
+        stats["descent_sweeps"] = sweep + 1
+        if spent >= budget or cost >= swept - 1e-3 * abs(swept):
+            break
+    cost = evaluate(flat, x)
+    stats["descent_deterministic_s"] = round(spent, 3)
+    return x, cost, spent, stats
+
+
+def _descent_sweep(flat: Flat, x: np.ndarray, cost: float, comp: np.ndarray, decision: np.ndarray,
+                   prof: np.ndarray | None, budget: float, spent: float, seed: int, stats: dict, started: float,
+                   wall_limit: float | None) -> tuple[np.ndarray, float, float]:
+    """One pass of ``component_descent`` (``x`` is updated in place); returns (x, cost, work spent so far)."""
+    excess = excess_costs(flat, x)
+    spent += CHARGE_PER_ITEM * (flat.n + len(flat.tables))
+    total = np.bincount(comp, weights=excess)
+    for c in np.argsort(-total, kind="stable"):
+        if total[c] <= 0 or spent >= budget:
+            break
+        if wall_limit is not None and time.perf_counter() - started > wall_limit:
+            break
+        inside = (comp == c) & decision
+        members = np.flatnonzero(inside)
+        if not len(members):
+            continue
+        if len(members) > DESCENT_MAX_NODES:
+            free = _ball(flat, [int(members[np.argmax(excess[members])])], inside, DESCENT_MAX_NODES)
+        else:
+            free = _ball(flat, [int(i) for i in members], decision, max(len(members), DESCENT_GROW))
+        sub = subproblem(flat, free, x, prof)
+        before = evaluate(sub, x[free])
+        limit = min(1.0, max(0.05, budget - spent))
+        y, after, _, used = solve_neighbourhood(sub, x[free], limit, seed + stats["descent_steps"])
+        spent += used
+        stats["descent_steps"] += 1
+        if y is not None and after < before - 1e-9 * max(1.0, abs(before)):
+            if prof is not None:
+                prof = _moved_profile(flat, prof, free, x[free], y)
+            x[free] = y
+            cost += after - before
+            stats["descent_improvements"] += 1
+    return x, cost, spent

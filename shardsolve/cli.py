@@ -61,6 +61,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
             carry=model.carry,
             progress=lambda message: status.update(message),
             source=f"{args.model} --size {args.size} --annotations {args.annotations}",
+            tie=not args.no_tie,
         )
     print_plan(plan, out, top=args.top)
     if args.output:
@@ -80,6 +81,10 @@ def print_plan(plan, console: Console, top: int = 10) -> None:
     summary.add_row("operations", f"{len(plan.ops)} ({plan.fallback_count} fell back to replication)")
     status = plan.status if plan.status == "optimal" else f"{plan.status}, gap {plan.gap:.2%}"
     summary.add_row("solver", f"{status} in {plan.solve_time:.2f} s")
+    stats = dict(plan.stats)
+    if "tying" in stats:
+        summary.add_row("tying", f"{stats['tied_nodes']} nodes of repeated layers tied in {stats['tie_classes']} classes, "
+                        f"{stats['tying']} ({stats['tie_bound']} bound of the untied problem)")
     c = plan.cost
     summary.add_row("step time (est.)", f"{c.total * 1e3:.4f} ms = compute {c.compute * 1e3:.4f} ms + communication {c.communication * 1e3:.4f} ms")
     summary.add_row("peak memory", f"{format_bytes(c.peak_memory)} per device")
@@ -148,6 +153,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_arguments(p, annotations_help="which of the model's annotations to pin (default: the model's own, "
                         "usually the batch only)", memory_help="bytes per device, e.g. 16GiB (default: no limit)")
     p.add_argument("-o", "--output", help="write the plan as JSON to this file")
+    p.add_argument("--no-tie", action="store_true",
+                   help="search every layer on its own (default: repeated layers share shardings, "
+                        "reported as optimal only when a bound of the untied problem proves it)")
     p.add_argument("--top", type=int, default=10, help="how many collectives to list (default: 10)")
     p.set_defaults(func=cmd_plan)
 

@@ -4,11 +4,20 @@
 ``jax.lax.with_sharding_constraint`` on every intermediate whose planned
 sharding is expressible as a ``PartitionSpec`` (partial values are not), so
 JAX's partitioner sees the whole plan, not only its boundary.
+
+JAX refuses a ``NamedSharding`` that does not divide its dimension in
+``in_shardings``/``out_shardings`` (and in ``jax.device_put``), but pads one
+pinned on an intermediate with ``with_sharding_constraint`` as SpmdPartitioner
+does. So an argument or output the plan splits unevenly crosses the boundary
+*evened* (``Sharding.evened``: its uneven dimensions unsplit, the others as
+planned). ``plan_jit`` pins an uneven argument's planned layout just inside
+(a local slice); an uneven output leaves as ``out_shardings`` say, resharded
+from its producer, as ``shardsolve.lower`` does and the plan predicts.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import jax
 from jax.sharding import NamedSharding
@@ -22,12 +31,26 @@ def named(mesh: Any, sharding: Sharding) -> NamedSharding:
     return NamedSharding(mesh, sharding.to_spec())
 
 
+def boundary(plan, which: str, shardings: Sequence[Sharding] | None = None) -> list[Sharding]:
+    """The flat argument (``"in"``) or output shardings as they cross a ``jax.jit`` boundary: evened.
+
+    ``shardings`` defaults to the plan's ``inputs`` or ``outputs``.
+    """
+    if shardings is None:
+        shardings = plan.inputs if which == "in" else plan.outputs
+    avals = plan.signature.in_avals if which == "in" else plan.signature.out_avals
+    return [s.evened(shape, plan.mesh) for s, (shape, _) in zip(shardings, avals)]
+
+
 def named_tree(plan, shardings: tuple[Sharding, ...], which: str) -> Any:
-    """Shardings as ``NamedSharding``s in the pytree structure of the arguments (``"in"``) or outputs."""
+    """Shardings as ``NamedSharding``s in the pytree structure of the arguments (``"in"``) or outputs.
+
+    An uneven split is given evened (see the module docstring).
+    """
     from shardsolve.plan import tree_of
 
     mesh = plan.mesh.jax_mesh()
-    leaves = [named(mesh, s) for s in shardings]
+    leaves = [named(mesh, s) for s in boundary(plan, which, shardings)]
     tree = tree_of(plan, which)
     if tree is None:
         return tuple(leaves)
@@ -47,7 +70,9 @@ def pinned_function(plan, mesh: Any) -> Callable:
     graph = plan.graph
 
     def run(*flat_args):
-        return _run_pinned(graph, plan.ops, list(flat_args), list(graph.const_values), mesh, "ss")
+        # Uneven arguments arrive evened; pin their planned layouts inside.
+        args = [_pin(x, s, mesh) if s != e else x for x, s, e in zip(flat_args, plan.inputs, boundary(plan, "in"))]
+        return _run_pinned(graph, plan.ops, args, list(graph.const_values), mesh, "ss")
 
     return run
 
@@ -128,8 +153,8 @@ def plan_jit(plan, **jit_kwargs) -> Callable:
         )
     run = pinned_function(plan, mesh)
     traced = plan.graph.traced
-    in_flat = [named(mesh, s) for s in plan.inputs]
-    out_flat = [named(mesh, s) for s in plan.outputs]
+    in_flat = [named(mesh, s) for s in boundary(plan, "in")]
+    out_flat = [named(mesh, s) for s in boundary(plan, "out")]
     flat_jit = jax.jit(run, in_shardings=in_flat, out_shardings=out_flat, **jit_kwargs)
 
     def call(*args):

@@ -21,6 +21,13 @@ predicted collectives, byte for byte:
 A reshard cache keyed by (value, target sharding) makes a second demand for
 the same layout free, as ``planner.predicted_collectives`` assumes.
 
+A planned ``scan`` runs as ``jax.lax.scan`` over local shards, its body
+lowered like the program. The layouts its body reads loop invariants in (its
+consts, the body's closed-over constants) are made once before the loop, with
+the enclosing scope's cache, and handed to the body's cache: each runs once
+per run of the scan, and two scans reading one value in one layout share it,
+as predicted, without relying on XLA's loop-invariant code motion and CSE.
+
     plan = shardsolve.plan(step, params, batch, mesh="data=2,model=4",
                            in_shardings=(None, P("data")))
     run = shardsolve.lower(plan)
@@ -38,9 +45,13 @@ padding lies past the end of the dimension. ``cost.reshard_steps`` gathers an
 uneven dimension whole before splitting it again (nested uneven shards do not
 line up), and its bytes count the padded buffers, so reshards of uneven values
 are exact too. ``pad_with_zero`` sets the padding to zero (or a reduction's
-identity) for kernels that read it. Today only reshards meet uneven values:
-the rules offer even strategies only, and JAX cannot lay out an argument or
-an output unevenly, so the planner refuses uneven pins.
+identity) for kernels that read it; ``rules.local.run_local`` does so for a
+reduction over an uneven split. JAX lays out no uneven split at a ``jax.jit``
+or ``shard_map`` boundary, so an argument planned as ``[{model}, {}]`` on
+``f32[10, 6]`` enters evened (``Sharding.evened``: ``[{}, {}]``, the user
+passes it so) and is cut to its padded shards of 3 rows inside by a local
+slice; an uneven output is resharded from its producer straight to its evened
+layout, the reshard the plan predicts.
 """
 
 from __future__ import annotations
@@ -59,6 +70,7 @@ from shardsolve.cost import ReshardStep, reshard_steps
 from shardsolve.errors import ShardsolveError
 from shardsolve.graph import Graph, Lit, Op
 from shardsolve.mesh import MeshSpec
+from shardsolve.rules.local import fill_padding, identity
 from shardsolve.sharding import Sharding
 
 AxisIndex = Callable[[str], Any]
@@ -105,17 +117,20 @@ class PartitionedValue:
         """Run the ``cost.reshard_steps`` from this sharding to ``target``, one collective per step.
 
         With a cache (``cached(sharding)`` looks a layout up, ``cache(value)``
-        stores one), a step whose result is already known is skipped.
+        stores one), the steps start from the last layout along the way that is
+        already known.
         """
         steps = reshard_steps(self.shape, np.dtype(self.local.dtype).itemsize, self.sharding, target, self.mesh)
         if steps is None:
             raise ShardsolveError(f"cannot reshard a value from {self.sharding} to {target}: the plan is inconsistent")
-        value = self
-        for step in steps:
-            known = cached(step.dst) if cached is not None else None
-            if known is not None:
-                value = known
-                continue
+        value, rest = self, steps
+        if cached is not None:  # start from the last layout along the way that is already known
+            for k in range(len(steps) - 1, -1, -1):
+                known = cached(steps[k].dst)
+                if known is not None:
+                    value, rest = known, steps[k + 1:]
+                    break
+        for step in rest:
             value = value.apply(step)
             if cache is not None:
                 value = cache(value)
@@ -173,7 +188,7 @@ class PartitionedValue:
     def _padded_identity(self, x, reduce_op: str):
         if self.is_even:
             return x
-        return _fill_padding(x, self.sharding, self.shape, self.mesh, self.axis_index, _identity(reduce_op, x.dtype))
+        return _fill_padding(x, self.sharding, self.shape, self.mesh, self.axis_index, identity(reduce_op, x.dtype))
 
     def _grow(self, x, d: int, dst: Sharding):
         """Pad dimension ``d`` so it splits evenly into ``dst``'s local size along it."""
@@ -214,28 +229,10 @@ _REDUCE = {
 }
 
 
-def _identity(reduce_op: str, dtype) -> Any:
-    if reduce_op == "sum":
-        return 0
-    if jnp.issubdtype(dtype, jnp.floating):
-        return -jnp.inf if reduce_op == "max" else jnp.inf
-    if jnp.issubdtype(dtype, jnp.integer):
-        info = jnp.iinfo(dtype)
-        return info.min if reduce_op == "max" else info.max
-    return reduce_op == "min"  # bool: max identity False, min identity True
-
-
 def _fill_padding(x, sharding: Sharding, shape: Sequence[int], mesh: MeshSpec, axis_index: AxisIndex, value):
-    """Set elements past the end of an unevenly split dimension to ``value``."""
-    local = sharding.local_shape(shape, mesh)
+    """Set the elements of the local shard ``x`` past the end of every unevenly split dimension to ``value``."""
     for d, axes in enumerate(sharding.dims):
-        if not axes or shape[d] % sharding.dim_shards(d, mesh) == 0:
-            continue
-        idx = jnp.int32(0)
-        for a in axes:
-            idx = idx * mesh.axis(a).size + axis_index(a)
-        pos = idx * local[d] + jax.lax.broadcasted_iota(jnp.int32, x.shape, d)
-        x = jnp.where(pos < shape[d], x, jnp.asarray(value, x.dtype))
+        x = fill_padding(x, d, shape[d], axes, mesh, axis_index, value)
     return x
 
 
@@ -320,32 +317,53 @@ class _Rewriter:
     def run(self, *flat_locals):
         graph = self.graph
         n_in = len(graph.inputs)
-        inputs = [self._pv(graph, vid, x, s) for vid, x, s in zip(graph.inputs, flat_locals[:n_in], self.plan.inputs)]
+        inputs = []
+        preset: dict[tuple[int, Sharding], PartitionedValue] = {}
+        for vid, x, s in zip(graph.inputs, flat_locals[:n_in], self.plan.inputs):
+            # An uneven argument arrives evened; cutting it to its planned shards is a local slice,
+            # and the evened layout stays in the reshard cache (planner.predicted_collectives counts so).
+            arrived = self._pv(graph, vid, x, s.evened(graph.values[vid].shape, self.mesh))
+            if arrived.sharding != s:
+                preset[(vid, arrived.sharding)] = arrived
+            inputs.append(arrived if arrived.sharding == s else arrived.reshard(s))
         consts = [self._pv(graph, vid, x, self.const_shardings[vid]) for vid, x in zip(graph.consts, flat_locals[n_in:])]
-        return tuple(self._lower_graph(graph, self.lowered, inputs, consts, "ss", list(self.plan.outputs), "ssout"))
+        # An uneven output leaves evened, resharded straight from its producer.
+        targets = [s if isinstance(x, Lit) else s.evened(graph.values[x].shape, self.mesh)
+                   for x, s in zip(graph.outputs, self.plan.outputs)]
+        return tuple(self._lower_graph(graph, self.lowered, inputs, consts, "ss", targets, "ssout", preset))
 
     def _pv(self, graph: Graph, vid: int, local, sharding: Sharding) -> PartitionedValue:
         return PartitionedValue(local, sharding, graph.values[vid].shape, self.mesh, jax.lax.axis_index)
 
     def _lower_graph(self, graph: Graph, lowered: Sequence[LoweredOp], inputs: list[PartitionedValue],
-                     consts: list[PartitionedValue], scope: str, out_targets: list[Sharding], out_scope: str) -> list:
-        """Local shards of ``graph``'s outputs (laid out as ``out_targets``) from its inputs' and consts' values."""
+                     consts: list[PartitionedValue], scope: str, out_targets: list[Sharding], out_scope: str,
+                     preset: dict[tuple[int, Sharding], PartitionedValue] | None = None) -> list:
+        """Local shards of ``graph``'s outputs (laid out as ``out_targets``) from its inputs' and consts' values.
+
+        ``preset`` seeds the reshard cache with layouts made outside (a scan body's hoisted invariants).
+        """
         from shardsolve.rules.local import run_local
 
         mesh = self.mesh
         env: dict[int, PartitionedValue] = dict(zip(graph.inputs, inputs))
         env.update(zip(graph.consts, consts))
-        cache: dict[tuple[int, Sharding], PartitionedValue] = {}
+        cache: dict[tuple[int, Sharding], PartitionedValue] = dict(preset or {})
 
-        def demand(vid: int, target: Sharding, where: str):
+        def reshard_from(vid: int, src: PartitionedValue, target: Sharding, where: str) -> PartitionedValue:
             # The reshard cache: every layout a value reaches (the target and each
             # intermediate step) is kept and reused, as planner.predicted_collectives assumes.
             hit = cache.get((vid, target))
             if hit is None:
                 with jax.named_scope(f"{where}/ssr{vid}"):
-                    hit = env[vid].reshard(target, cache=lambda v: cache.setdefault((vid, v.sharding), v),
-                                           cached=lambda t: cache.get((vid, t)))
-            return hit.local
+                    hit = src.reshard(target, cache=lambda v: cache.setdefault((vid, v.sharding), v),
+                                      cached=lambda t: cache.get((vid, t)))
+            return hit
+
+        def demand_pv(vid: int, target: Sharding, where: str) -> PartitionedValue:
+            return reshard_from(vid, env[vid], target, where)
+
+        def demand(vid: int, target: Sharding, where: str):
+            return demand_pv(vid, target, where).local
 
         for lo in lowered:
             op = lo.op
@@ -357,8 +375,9 @@ class _Rewriter:
                         operands.append(jnp.asarray(x.value))
                     else:
                         operands.append(demand(x, lo.plan.operands[k], where))
+                hoisted = self._hoist(graph, lo, demand_pv, reshard_from, where)
                 with jax.named_scope(where):
-                    results = self._scan(graph, lo, operands)
+                    results = self._scan(graph, lo, operands, hoisted)
                 shardings = lo.plan.results
             else:
                 strategy = lo.strategy
@@ -379,40 +398,110 @@ class _Rewriter:
                 outs.append(demand(x, s, f"{out_scope}{k}"))
         return outs
 
-    def _scan(self, graph: Graph, lo: LoweredOp, operands: list) -> list:
+    def _hoist(self, graph: Graph, lo: LoweredOp, demand_pv: Callable, reshard_from: Callable,
+               where: str) -> dict[tuple[int, Sharding], Any]:
+        """The layouts a scan's body reads its loop invariants in, made once before the loop.
+
+        ``planner.loop_invariant_demands`` lists them. A const is resharded from
+        the scan's operand with the enclosing scope's cache (``reshard_from``,
+        scope ``{where}/ssr{value}``), so what another scan or op already made is
+        reused; a literal const or a closed-over constant of the body with this
+        scan's own cache (scope ``{where}/bconst{body value}``). Returns the local
+        shards keyed by (body value, sharding), for the body's reshard cache.
+        """
+        from shardsolve.planner import loop_invariant_demands
+
+        op = lo.op
+        body = graph.body(op)
+        b = _Boundary.of(graph, lo)
+        operand_targets = [bl.plan.operands if bl.strategy is None else bl.strategy.operands for bl in lo.body]
+        own: dict[tuple[int, Sharding], PartitionedValue] = {}
+        out: dict[tuple[int, Sharding], Any] = {}
+        for bvid, target in loop_invariant_demands(body, b.n_consts, operand_targets, b.carry + b.ys):
+            if bvid in body.inputs[:b.n_consts]:
+                k = body.inputs.index(bvid)
+                start_s, x = b.consts[k], op.inputs[k]
+                if target == start_s:
+                    continue
+                if not isinstance(x, Lit):
+                    out[(bvid, target)] = reshard_from(x, demand_pv(x, start_s, where), target, where).local
+                    continue
+                start = self._pv(body, bvid, jnp.asarray(x.value), start_s)
+            else:
+                k = body.consts.index(bvid)
+                start_s = b.body_consts[k]
+                if target == start_s:
+                    continue
+                start = self._body_const(body, k, start_s)
+            hit = own.get((bvid, target))
+            if hit is None:
+                with jax.named_scope(f"{where}/bconst{bvid}"):
+                    hit = start.reshard(target, cache=lambda v, bvid=bvid: own.setdefault((bvid, v.sharding), v),
+                                        cached=lambda t, bvid=bvid: own.get((bvid, t)))
+            out[(bvid, target)] = hit.local
+        return out
+
+    def _body_const(self, body: Graph, k: int, sharding: Sharding) -> PartitionedValue:
+        """The ``k``-th closed-over constant of ``body``, cut to ``sharding`` from the global array (no collective)."""
+        vid = body.consts[k]
+        whole = self._pv(body, vid, jnp.asarray(body.const_values[k]), Sharding.replicated(len(body.values[vid].shape)))
+        return whole.reshard(sharding) if sharding != whole.sharding else whole
+
+    def _scan(self, graph: Graph, lo: LoweredOp, operands: list, hoisted: dict[tuple[int, Sharding], Any]) -> list:
         """``jax.lax.scan`` over local shards, its body lowered like the program (scopes ``b{k}``).
 
         The plan fixes the boundary: consts and carry enter as they are in the
         body (carry in == carry out), xs and ys are stacked with their leading
-        dimension unsplit.
+        dimension unsplit. ``hoisted`` holds the loop invariants' layouts made
+        before the loop (``_hoist``): the body reads them from its cache.
         """
-        op, op_plan = lo.op, lo.plan
+        op = lo.op
         p = op.params
         body = graph.body(op)
-        n_consts, n_carry = int(p["num_consts"]), int(p["num_carry"])
-        boundary = op_plan.operands
+        b = _Boundary.of(graph, lo)
+        n_consts, n_carry = b.n_consts, len(b.carry)
         consts_l, carry_l, xs_l = operands[:n_consts], operands[n_consts:n_consts + n_carry], operands[n_consts + n_carry:]
-        const_s = list(boundary[:n_consts])
-        carry_s = list(boundary[n_consts:n_consts + n_carry])
-        xs_s = [Sharding(s.dims[1:]) for s in boundary[n_consts + n_carry:]]
-        ys_s = [Sharding(s.dims[1:]) for s in op_plan.results[n_carry:]]
-        body_const_s = list(getattr(op_plan, "body_consts", ()) or ())
-        body_const_s += [Sharding.replicated(len(body.values[v].shape)) for v in body.consts[len(body_const_s):]]
 
         def step(carry, xs):
             ins = [self._pv(body, vid, x, s) for vid, x, s in
-                   zip(body.inputs, list(consts_l) + list(carry) + list(xs), const_s + carry_s + xs_s)]
-            # The body's closed-over constants: global arrays, cut to their planned shards (no collective).
-            consts = []
-            for vid, c, s in zip(body.consts, body.const_values, body_const_s):
-                whole = self._pv(body, vid, jnp.asarray(c), Sharding.replicated(len(body.values[vid].shape)))
-                consts.append(whole.reshard(s) if s != whole.sharding else whole)
-            outs = self._lower_graph(body, lo.body, ins, consts, "b", carry_s + ys_s, "bout")
+                   zip(body.inputs, list(consts_l) + list(carry) + list(xs), b.consts + b.carry + b.xs)]
+            consts = [self._body_const(body, k, s) for k, s in enumerate(b.body_consts)]
+            preset = {(vid, s): self._pv(body, vid, local, s) for (vid, s), local in hoisted.items()}
+            outs = self._lower_graph(body, lo.body, ins, consts, "b", b.carry + b.ys, "bout", preset)
             return outs[:n_carry], outs[n_carry:]
 
         kw = {"reverse": bool(p.get("reverse", False)), "unroll": p.get("unroll", 1)}
         new_carry, ys = jax.lax.scan(step, list(carry_l), list(xs_l), length=int(p["length"]), **kw)
         return list(new_carry) + list(ys)
+
+
+@dataclass(frozen=True)
+class _Boundary:
+    """A planned scan's shardings as its body sees them: consts, carry, x- and y-slices, closed-over constants."""
+
+    n_consts: int
+    consts: list
+    carry: list
+    xs: list
+    ys: list
+    body_consts: list
+
+    @classmethod
+    def of(cls, graph: Graph, lo: LoweredOp) -> _Boundary:
+        op, op_plan = lo.op, lo.plan
+        body = graph.body(op)
+        n_consts, n_carry = int(op.params["num_consts"]), int(op.params["num_carry"])
+        boundary = op_plan.operands
+        body_consts = list(getattr(op_plan, "body_consts", ()) or ())
+        body_consts += [Sharding.replicated(len(body.values[v].shape)) for v in body.consts[len(body_consts):]]
+        return cls(
+            n_consts,
+            list(boundary[:n_consts]),
+            list(boundary[n_consts:n_consts + n_carry]),
+            [Sharding(s.dims[1:]) for s in boundary[n_consts + n_carry:]],
+            [Sharding(s.dims[1:]) for s in op_plan.results[n_carry:]],
+            body_consts,
+        )
 
 
 def _const_shardings(plan) -> dict[int, Sharding]:
@@ -442,9 +531,10 @@ def lower(plan) -> Callable:
     """The rewriter's program for ``plan``: call it like the planned function.
 
     The returned function lays its arguments out as ``plan.inputs``
-    (``jax.device_put`` with a ``NamedSharding``), runs one jitted
+    (``jax.device_put`` with a ``NamedSharding``; an uneven split evened, as
+    ``plan.in_shardings`` gives it), runs one jitted
     ``jax.shard_map`` and returns the outputs in the planned function's pytree
-    structure, laid out as ``plan.outputs``. ``.lower(*args)`` gives the jitted
+    structure, laid out as ``plan.outputs`` (evened, as ``plan.out_shardings``). ``.lower(*args)`` gives the jitted
     program's ``Lowered`` (arguments may be ``ShapeDtypeStruct``s) and ``.flat``
     the jitted function over flat arguments.
     """
@@ -456,8 +546,11 @@ def lower(plan) -> Callable:
     const_shardings = _const_shardings(plan)
     rewriter = _Rewriter(plan, lowered, const_shardings)
     consts = [const_shardings[v] for v in graph.consts]
-    in_specs = tuple(s.to_spec() for s in plan.inputs) + tuple(s.to_spec() for s in consts)
-    out_specs = tuple(s.to_spec() for s in plan.outputs)
+    # JAX lays out only even splits: uneven arguments and outputs cross the boundary evened (see _Rewriter.run).
+    in_specs = tuple(s.evened(graph.values[v].shape, plan.mesh).to_spec() for v, s in zip(graph.inputs, plan.inputs))
+    in_specs += tuple(s.to_spec() for s in consts)
+    out_specs = tuple(s.to_spec() if isinstance(x, Lit) else s.evened(graph.values[x].shape, plan.mesh).to_spec()
+                      for x, s in zip(graph.outputs, plan.outputs))
     body = jax.shard_map(rewriter.run, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
     in_named = [NamedSharding(mesh, s) for s in in_specs]
     out_named = [NamedSharding(mesh, s) for s in out_specs]

@@ -223,14 +223,27 @@ class Plan:
 
     @property
     def in_shardings(self) -> Any:
-        """Pytree of ``NamedSharding`` matching the arguments (a tuple, one entry per argument)."""
+        """Pytree of ``NamedSharding`` matching the arguments (a tuple, one entry per argument).
+
+        JAX lays out no split that does not divide its dimension, so an argument
+        the plan splits unevenly (``P("model")`` on 10 rows over 4 devices) is
+        given *evened*: that dimension unsplit (``P()``), the others as planned.
+        ``plan.jit()`` and ``shardsolve.lower(plan)`` take it so and cut it to the
+        planned padded shards inside, without communication.
+        """
         from shardsolve.export import named_tree
 
         return named_tree(self, self.inputs, "in")
 
     @property
     def out_shardings(self) -> Any:
-        """Pytree of ``NamedSharding`` matching the outputs."""
+        """Pytree of ``NamedSharding`` matching the outputs.
+
+        An output the plan splits unevenly is given evened, as ``in_shardings``
+        are: the plan reshards its producer's result straight to that layout
+        (the reshard is among ``collectives``), so a ``carry`` tie to an
+        uneven argument closes the loop.
+        """
         from shardsolve.export import named_tree
 
         return named_tree(self, self.outputs, "out")

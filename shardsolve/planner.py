@@ -19,7 +19,9 @@ memory limit bounds the peak of live bytes per device.
 A ``scan`` is expanded (``EXPAND_SCAN``): its body's ops become nodes once,
 their costs and internal edges times ``length``, and its boundary (consts,
 one node per carry shared by carry-in, body and carry-out, x/y slices) is
-described in ``ScanNodes``.
+described in ``ScanNodes``. Reads of loop invariants (the scan's consts, the
+body's closed-over constants) are resharded once, before the loop
+(``loop_invariant_demands``), so their edges are not multiplied by ``length``.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from shardsolve.cost import reshard_time
+from shardsolve.cost import reshard_time, reshard_time_given
 from shardsolve.errors import ShardsolveError
 from shardsolve.graph import Graph, Lit
 from shardsolve.mesh import MeshSpec
@@ -90,7 +92,10 @@ class ScanNodes:
     """The problem nodes of one scan whose body is planned once.
 
     * ``const[k]``: the sharding of the k-th const inside the body; its edge
-      from the outer producer is a reshard paid once, before the loop.
+      from the outer producer is a reshard paid once, before the loop, and so
+      are its edges to the body ops reading it in other layouts (a loop
+      invariant: the rewriter makes each such layout before the loop, see
+      ``loop_invariant_demands``). ``body_consts`` likewise.
     * ``carry[k]``: ONE sharding for the k-th carry wherever it appears: the
       scan's carry-in operand (edge from the outer producer, paid once), the
       body's carry invar, the body's carry outvar (edge from the body's
@@ -102,7 +107,8 @@ class ScanNodes:
       body's producer reshards into it every iteration).
 
     Body ops are problem nodes once, their costs and internal edges times
-    ``length`` (times the enclosing scans' lengths when nested). Memory: body
+    ``length`` (times the enclosing scans' lengths when nested), except reads
+    of the loop invariants (``const``, ``body_consts``). Memory: body
     ops, consts and xs live only during the scan's time step of the enclosing
     program (all at once, an over-estimate of one iteration's peak, at their
     per-iteration bytes); carry and ys nodes hold the scan's results and live
@@ -173,12 +179,17 @@ def _to_sharding(ann: Any, shape: tuple[int, ...], mesh: MeshSpec, what: str) ->
         s = Sharding.from_spec(spec, len(shape), mesh, what=what)
     for a in s.axes:
         mesh.axis(a)
-    if not s.divides(shape, mesh):
-        d = next(d for d, n in enumerate(shape) if n % s.dim_shards(d, mesh))
-        raise ShardsolveError(
-            f"{what}: {s.to_spec()} splits dimension {d} of size {shape[d]} into {s.dim_shards(d, mesh)} "
-            f"uneven parts; choose axes whose sizes divide it, or leave it None"
-        )
+    if len(set(s.axes)) != len(s.axes):
+        raise ShardsolveError(f"{what}: sharding {s} uses a mesh axis twice; use each axis once")
+    # A split that does not divide its dimension is padded (see sharding.Sharding.evened); one with
+    # more parts than elements leaves whole devices empty.
+    for d, size in enumerate(shape):
+        n = s.dim_shards(d, mesh)
+        if n > size:
+            raise ShardsolveError(
+                f"{what}: {s.to_spec()} splits dimension {d} of size {size} into {n} parts, more than it has "
+                f"elements; use fewer mesh axes on it, or leave it None"
+            )
     return s
 
 
@@ -229,7 +240,9 @@ def build_problem(
     ]:
         value = values[vid]
         cands = _candidates(value.shape, mesh, pinned)
-        usage = np.array([s.local_bytes(value.shape, value.itemsize, mesh) for s in cands], dtype=np.float64)
+        # An uneven argument arrives evened (JAX lays out no uneven split at a jit boundary): that buffer stays live.
+        usage = np.array([s.evened(value.shape, mesh).local_bytes(value.shape, value.itemsize, mesh) for s in cands],
+                         dtype=np.float64)
         idx = add(
             Node(value.name, np.zeros(len(cands)), usage, (0, horizon), tuple(map(str, cands))),
             NodeInfo(value.kind, vid, cands),
@@ -247,6 +260,9 @@ def build_problem(
     ids_at: dict[tuple, np.ndarray] = {key: tables.ids(p[1]) for key, p in produced_at.items()}
     rule_cache: dict[tuple, _RuleStrategies] = {}
     scans: dict[tuple, ScanNodes] = {}
+    # A scan's loop invariants (its consts, its body's closed-over constants) are resharded
+    # once, before the loop (see ``loop_invariant_demands``): their reads cost the scan's scale.
+    invariant_scale: dict[tuple, float] = {}
 
     def add_edge(u: int, v: int, table: np.ndarray) -> None:
         if u == v:  # a scan body handing a carry straight back: same node, same sharding
@@ -255,9 +271,19 @@ def build_problem(
             u, v, table = v, u, table.T
         edges[(u, v)] = edges[(u, v)] + table if (u, v) in edges else table
 
+    arguments = set(graph.inputs)
+
     def read_edge(scope: tuple, g: Graph, x: int, dst: np.ndarray, to: int, scale: float) -> None:
+        scale = invariant_scale.get((scope, x), scale)
         value = g.values[x]
-        table = tables.table(value.shape, value.itemsize, ids_at[(scope, x)], dst)
+        srcs = produced_at[(scope, x)][1]
+        if not scope and x in arguments and not all(s.divides(value.shape, mesh) for s in srcs):
+            # An uneven argument arrives evened and keeps that layout too: reaching it again is free.
+            table = np.array([[min(reshard_time_given(value.shape, value.itemsize, s, tables.shardings[t], mesh,
+                                                      s.evened(value.shape, mesh)), FORBIDDEN) for t in dst]
+                              for s in srcs], dtype=np.float64)
+        else:
+            table = tables.table(value.shape, value.itemsize, ids_at[(scope, x)], dst)
         add_edge(produced_at[(scope, x)][0], to, table * scale if scale != 1 else table)
 
     def add_op(g: Graph, op, scope: tuple, scale: float, interval: tuple[int, int], name: str) -> None:
@@ -316,6 +342,8 @@ def build_problem(
                 NodeInfo(f"scan-{kind}", op.id, cands, scope=inner),
             )
             getattr(sn, kind).append(idx)
+            if kind == "const":
+                invariant_scale[(inner, bvid)] = scale
             produced_at[(inner, bvid)] = (idx, list(cands))
             ids_at[(inner, bvid)] = tables.ids(cands)
             if not isinstance(x, Lit):
@@ -330,6 +358,7 @@ def build_problem(
                 NodeInfo("scan-body-const", bvid, cands, scope=inner),
             )
             sn.body_consts.append(idx)
+            invariant_scale[(inner, bvid)] = scale
             produced_at[(inner, bvid)] = (idx, list(cands))
             ids_at[(inner, bvid)] = tables.ids(cands)
         add_ops(body, inner, inner_scale, within, f"{name}/")
@@ -393,7 +422,9 @@ def build_problem(
         output_node[k] = idx
         if pinned is not None:
             pins.append(Pin(idx, (cands.index(pinned),), label))
-        edges[(produced[x][0], idx)] = tables.table(value.shape, value.itemsize, produced_ids[x], tables.ids(cands))
+        # An uneven output leaves evened (JAX returns no uneven split): the producer reshards straight to that.
+        leave = tables.ids([c.evened(value.shape, mesh) for c in cands])
+        edges[(produced[x][0], idx)] = tables.table(value.shape, value.itemsize, produced_ids[x], leave)
 
     for arg_leaf, out_leaf in ties:
         if out_leaf not in output_node:
@@ -419,6 +450,7 @@ class _Tables:
         self._ids: dict[Sharding, int] = {}
         self.shardings: list[Sharding] = []
         self._small: dict[tuple, np.ndarray] = {}
+        self._full: dict[tuple, np.ndarray] = {}
 
     def ids(self, shardings: Sequence[Sharding]) -> np.ndarray:
         out = np.empty(len(shardings), dtype=np.int64)
@@ -431,7 +463,14 @@ class _Tables:
         return out
 
     def table(self, shape: tuple[int, ...], itemsize: int, src: np.ndarray, dst: np.ndarray) -> np.ndarray:
-        """Seconds to reshard from each source strategy's sharding to each destination's (forbidden = 1e18)."""
+        """Seconds to reshard from each source strategy's sharding to each destination's (forbidden = 1e18).
+
+        The returned array may be shared between edges: never modify it in place.
+        """
+        full_key = (shape, itemsize, src.tobytes(), dst.tobytes())
+        hit = self._full.get(full_key)
+        if hit is not None:
+            return hit
         su, si = np.unique(src, return_inverse=True)
         du, di = np.unique(dst, return_inverse=True)
         key = (shape, itemsize, su.tobytes(), du.tobytes())
@@ -443,7 +482,9 @@ class _Tables:
                     t = reshard_time(shape, itemsize, self.shardings[s], self.shardings[d], self.mesh)
                     small[a, b] = FORBIDDEN if math.isinf(t) else t
             self._small[key] = small
-        return small[np.ix_(si, di)]
+        out = self._full[full_key] = small[np.ix_(si, di)]
+        out.flags.writeable = False
+        return out
 
 
 @dataclass(frozen=True)
@@ -482,6 +523,54 @@ class _RuleStrategies:
 # -- solution -> plan --------------------------------------------------------
 
 
+def loop_invariant_demands(body: Graph, n_consts: int, operand_targets: Sequence[Sequence[Sharding]],
+                           output_targets: Sequence[Sharding]) -> list[tuple[int, Sharding]]:
+    """The layouts a scan body reads its loop invariants in, in the order it first reads them.
+
+    A scan's loop invariants are its consts (the body's first ``n_consts``
+    inputs) and its body's closed-over constants: the same in every
+    iteration, so each layout the body reads one in is made once, before the
+    loop, and handed in (the rewriter's ``_Rewriter._scan``), as XLA's
+    loop-invariant code motion would hoist it. ``operand_targets[j]`` are the
+    shardings body op ``j`` reads its operands in, ``output_targets`` those of
+    the carry-out and y-slices. Reshards made before the loop share the
+    enclosing scope's reshard cache, so two scans closing over the same value
+    in the same layout reshard it once; ``build_problem`` prices their reads at
+    the scan's scale, not ``length`` times.
+    """
+    invariant = set(body.inputs[:n_consts]) | set(body.consts)
+    out: list[tuple[int, Sharding]] = []
+    seen: set[tuple[int, Sharding]] = set()
+
+    def read(x: int | Lit, target: Sharding) -> None:
+        if not isinstance(x, Lit) and x in invariant and (x, target) not in seen:
+            seen.add((x, target))
+            out.append((x, target))
+
+    for op, targets in zip(body.ops, operand_targets, strict=True):
+        for x, target in zip(op.inputs, targets):
+            read(x, target)
+    for x, target in zip(body.outputs, output_targets):
+        read(x, target)
+    return out
+
+
+def _body_operand_targets(body: Graph, built: Built, assignment: Sequence[int], scope: tuple) -> list[tuple]:
+    """The shardings each op of a scan body (scope ``scope``) reads its operands in, as planned."""
+    sharding_of = lambda idx: built.nodes[idx].shardings[assignment[idx]]  # noqa: E731
+    out = []
+    for op in body.ops:
+        sn = built.scans.get(scope + (op.id,))
+        if sn is None:
+            idx = built.scans[scope].op_node[op.id]
+            out.append(built.nodes[idx].strategies[assignment[idx]].operands)
+        else:
+            n_cc = len(sn.const) + len(sn.carry)
+            boundary = [sharding_of(i) for i in sn.const + sn.carry + sn.xs]
+            out.append(tuple(s if k < n_cc else Sharding(((),) + s.dims) for k, s in enumerate(boundary)))
+    return out
+
+
 def predicted_collectives(graph: Graph, built: Built, assignment: Sequence[int], mesh: MeshSpec):
     """The collectives a solution implies, one reshard per (value, demanded sharding).
 
@@ -498,36 +587,49 @@ def predicted_collectives(graph: Graph, built: Built, assignment: Sequence[int],
     ``%<scan> scan/<body value>`` and consumers ``%<scan> scan/%<k> <primitive>``;
     ``value`` is a value id of ``graph`` (ids are per graph), so for a body
     value it is the scan's first result.
+
+    The layouts a body reads its loop invariants in (``loop_invariant_demands``)
+    are made before the loop, in the scan's scope, once per run of the scan:
+    consumer ``%<scan> scan ... before the loop, for its body``. A const is
+    resharded from the layout it enters the body in, sharing the enclosing
+    scope's cache with the outer value (two scans reading it in one layout
+    reshard it once); a literal const or a closed-over constant of the body
+    from its own planned layout, per scan.
     """
     from shardsolve.cost import collective_time, reshard_steps
     from shardsolve.plan import PredictedCollective
 
     out: list[PredictedCollective] = []
 
-    def walk(g: Graph, scope: tuple, current: dict[int, Sharding], producer_name: dict[int, str],
-             repeats: int, prefix: str, anchor: int | None) -> None:
-        values = g.values
-        done: set[tuple[int, Sharding]] = set()
-
-        def demand(vid: int, target: Sharding, consumer: str) -> None:
-            if (vid, target) in done:
-                return
-            value = values[vid]
-            steps = reshard_steps(value.shape, value.itemsize, current[vid], target, mesh)
-            assert steps is not None, (value.name, current[vid], target)
-            for step in steps:
-                if (vid, step.dst) in done:  # this layout of the value is already in the program
-                    continue
-                done.add((vid, step.dst))
-                if step.is_collective:
-                    out.append(
-                        PredictedCollective(
-                            step.kind, step.axes, step.bytes,
-                            collective_time(step.kind, step.axes, step.bytes, mesh) * repeats,
-                            vid if anchor is None else anchor, prefix + value.name, step.src, step.dst,
-                            producer_name[vid], consumer, target, repeats,
-                        )
+    def emit(value, key: Any, start: Sharding, target: Sharding, seen: set, value_name: str, producer: str,
+             consumer: str, repeats: int, anchor: int) -> None:
+        """The collectives of resharding ``value`` from ``start`` to ``target``; ``seen``: its layouts so far."""
+        if (key, target) in seen:
+            return
+        steps = reshard_steps(value.shape, value.itemsize, start, target, mesh)
+        assert steps is not None, (value.name, start, target)
+        # Start from the last layout along the way that is already in the program (as lower's reshard does).
+        known = [k for k, step in enumerate(steps) if (key, step.dst) in seen]
+        for step in steps[known[-1] + 1:] if known else steps:
+            seen.add((key, step.dst))
+            if step.is_collective:
+                out.append(
+                    PredictedCollective(
+                        step.kind, step.axes, step.bytes,
+                        collective_time(step.kind, step.axes, step.bytes, mesh) * repeats,
+                        anchor, value_name, step.src, step.dst, producer, consumer, target, repeats,
                     )
+                )
+
+    def walk(g: Graph, scope: tuple, current: dict[int, Sharding], producer_name: dict[int, str],
+             repeats: int, prefix: str, anchor: int | None, preset: Sequence[tuple[int, Sharding]] = ()) -> None:
+        values = g.values
+        done: set[tuple[int, Sharding]] = set(preset)  # layouts the enclosing scope hands in (hoisted)
+
+        def demand(vid: int, target: Sharding, consumer: str, src: Sharding | None = None) -> None:
+            """Reshard ``vid`` from ``src`` (default: its layout here) to ``target``."""
+            emit(values[vid], vid, current[vid] if src is None else src, target, done, prefix + values[vid].name,
+                 producer_name[vid], consumer, repeats, vid if anchor is None else anchor)
 
         sharding_of = lambda idx: built.nodes[idx].shardings[assignment[idx]]  # noqa: E731
         for op in g.ops:
@@ -560,8 +662,27 @@ def predicted_collectives(graph: Graph, built: Built, assignment: Sequence[int],
                 b_current[bvid] = sharding_of(sn.body_consts[k])
                 b_producer[bvid] = f"{name}/{body.values[bvid].name}"
             b_prefix = f"{name.split(' [')[0]}/"
-            walk(body, inner, b_current, b_producer, repeats * sn.length, b_prefix,
-                 anchor if anchor is not None else op.outputs[0] if op.outputs else None)
+            b_anchor = anchor if anchor is not None else op.outputs[0] if op.outputs else None
+            # The loop invariants' reshards run here, once, before the loop (as the rewriter hoists them):
+            # a const from its outer value's reshards (shared with this scope's), a literal const or a
+            # closed-over constant from this scan's own layouts.
+            n_consts = len(sn.const)
+            own: set[tuple[int, Sharding]] = set()
+            hoisted = loop_invariant_demands(body, n_consts, _body_operand_targets(body, built, assignment, inner),
+                                             [sharding_of(i) for i in sn.carry + sn.ys])
+            for bvid, target in hoisted:
+                if target == b_current[bvid]:
+                    continue
+                where = f"{name} before the loop, for its body"
+                k = body.inputs.index(bvid) if bvid in body.inputs[:n_consts] else None
+                if k is not None and not isinstance(op.inputs[k], Lit):
+                    demand(op.inputs[k], target, where, src=b_current[bvid])
+                else:
+                    bval = body.values[bvid]
+                    emit(bval, bvid, b_current[bvid], target, own, b_prefix + bval.name, b_producer[bvid], where,
+                         repeats, b_anchor)
+            walk(body, inner, b_current, b_producer, repeats * sn.length, b_prefix, b_anchor,
+                 [(bvid, t) for bvid, t in hoisted])
             ends = [sharding_of(i) for i in sn.carry + sn.ys]
             for r, vid in enumerate(op.outputs):
                 s = ends[r] if r < len(sn.carry) else Sharding(((),) + ends[r].dims)
@@ -578,14 +699,16 @@ def predicted_collectives(graph: Graph, built: Built, assignment: Sequence[int],
             for k, x in enumerate(g.outputs):
                 if not isinstance(x, Lit):
                     idx = built.output_node[k]
-                    demand(x, sharding_of(idx), f"outputs[{k}]")
+                    demand(x, sharding_of(idx).evened(values[x].shape, mesh), f"outputs[{k}]")  # leaves evened
 
     current: dict[int, Sharding] = {}
     producer_name: dict[int, str] = {}
     for vid, idx in built.value_node.items():
         current[vid] = built.nodes[idx].shardings[assignment[idx]]
         producer_name[vid] = graph.values[vid].name
-    walk(graph, (), current, producer_name, 1, "", None)
+    # An uneven argument arrives evened (JAX lays out no uneven split): that layout is in the program too.
+    arrived = [(v, current[v].evened(graph.values[v].shape, mesh)) for v in graph.inputs]
+    walk(graph, (), current, producer_name, 1, "", None, [(v, e) for v, e in arrived if e != current[v]])
     return tuple(out)
 
 
@@ -721,6 +844,7 @@ def plan(
     seed: int = 0,
     progress: Callable[[str], None] | None = None,
     source: str = "",
+    tie: bool = True,
 ):
     """Plan the sharding of ``fun(*args)`` on ``mesh``; returns a ``shardsolve.Plan``.
 
@@ -731,6 +855,15 @@ def plan(
     output index) pairs whose leaves must share shardings: the output is the
     next value of the argument, as a training step's parameters are.
     ``progress`` receives one-line status messages.
+
+    ``tie``: where the program repeats itself (an unrolled stack of layers),
+    corresponding values of the repeated layers take the same sharding and
+    the solver searches about one layer (``shardsolve.tying``). Tying is a
+    restriction: the plan's ``status`` is ``"optimal"`` only when a certified
+    bound of the untied problem meets the tied plan's cost, else
+    ``"feasible"`` with that gap, and ``plan.stats`` say which (``tying``:
+    ``"exact"`` or ``"restricted"``). Programs without repetition are solved
+    as they are. ``tie=False`` always searches untied.
     """
     from shardsolve.encodings import explain_infeasible, solve
     from shardsolve.errors import InfeasibleError
@@ -765,7 +898,18 @@ def plan(
     say(f"building the problem ({len(graph.ops)} operations)")
     built = build_problem(graph, mesh_spec, in_pins, out_pins, limit, ties)
     say(f"solving ({len(built.problem.nodes)} nodes, {built.problem.num_strategies} strategies)")
-    solution = solve(built.problem, time_limit=time_limit, seed=seed, progress=_solver_progress(say) if progress else None)
+    solver_progress = _solver_progress(say) if progress else None
+    solution = None
+    if tie:
+        from shardsolve.tying import solve_tied
+
+        solution = solve_tied(built.problem, time_limit=time_limit, seed=seed, progress=solver_progress)
+        if solution is not None:
+            st = solution.stats
+            say(f"tied {st['tied_nodes']} nodes in {st['tie_classes']} classes of repeated layers: "
+                f"{st['tying']} ({st['tie_bound']} bound of the untied problem)")
+    if solution is None:
+        solution = solve(built.problem, time_limit=time_limit, seed=seed, progress=solver_progress)
     if solution.status in ("infeasible", "unknown") or not math.isfinite(solution.cost):
         if solution.status == "unknown":
             raise ShardsolveError(

@@ -71,6 +71,7 @@ __all__ = [
     "fold_followers",
     "eliminate_low_degree",
     "split_components",
+    "fold_and_eliminate",
     "memory_matters",
     "reduce",
 ]
@@ -306,58 +307,106 @@ def restrict(problem: Problem) -> tuple[Problem, Step]:
     with an all-forbidden row towards some neighbour, and strategies whose usage
     alone, added to the least usage of everything else live at the same time,
     exceeds the limit. Raises ``InfeasibleError`` when a node has none left.
+
+    Only edges with a forbidden entry can remove a strategy; after a first pass
+    over them, an edge is looked at again only when one of its nodes lost a
+    strategy (a worklist, as in AC-3). The memory test is one vectorised pass
+    over all strategies.
     """
     nodes = problem.nodes
-    ok = [~np.isinf(_inf(n.costs)) for n in nodes]
+    n = len(nodes)
+    ok = [np.asarray(nd.costs) < FORBIDDEN for nd in nodes]
     for pin in problem.pins:
         mask = np.zeros(nodes[pin.node].num_strategies, dtype=bool)
         mask[list(pin.allowed)] = True
         ok[pin.node] &= mask
-    tables = [(e.u, e.v, ~np.isinf(_inf(e.costs))) for e in problem.edges]
+    # edges with a forbidden entry, and their finite masks
+    tables: list[tuple[int, int, np.ndarray]] = []
+    incident: list[list[int]] = [[] for _ in range(n)]
+    for e in problem.edges:
+        finite = np.asarray(e.costs) < FORBIDDEN
+        if finite.all():
+            continue
+        k = len(tables)
+        tables.append((e.u, e.v, finite))
+        incident[e.u].append(k)
+        if e.v != e.u:
+            incident[e.v].append(k)
     limit = problem.usage_limit
-    usages = [np.asarray(n.usages, dtype=np.float64) for n in nodes]
-    changed = True
-    while changed:
-        changed = False
-        for i, m in enumerate(ok):
-            if not m.any():
-                raise InfeasibleError(f"node {i} ({nodes[i].name}) has no feasible strategy left", ())
-        for u, v, finite in tables:
+    sizes = np.array([nd.num_strategies for nd in nodes], dtype=np.int64)
+    owner = np.repeat(np.arange(n), sizes)
+    first = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
+    flat_usage = np.concatenate([np.asarray(nd.usages, dtype=np.float64) for nd in nodes]) if n else np.zeros(0)
+    live = np.array([nd.interval[1] > nd.interval[0] for nd in nodes], dtype=bool)
+
+    def empty(i: int) -> InfeasibleError:
+        return InfeasibleError(f"node {i} ({nodes[i].name}) has no feasible strategy left", ())
+
+    for i, m in enumerate(ok):
+        if not m.any():
+            raise empty(i)
+    pending = list(range(len(tables)))
+    queued = np.ones(len(tables), dtype=bool)
+    while True:
+        while pending:
+            k = pending.pop()
+            queued[k] = False
+            u, v, finite = tables[k]
             if u == v:
                 good = np.diag(finite) & ok[u]
-                if not np.array_equal(good, ok[u]):
-                    ok[u] = good
-                    changed = True
-                continue
-            sub = finite & ok[u][:, None] & ok[v][None, :]
-            gu = sub.any(axis=1) & ok[u]
-            gv = sub.any(axis=0) & ok[v]
-            if not np.array_equal(gu, ok[u]) or not np.array_equal(gv, ok[v]):
-                ok[u], ok[v] = gu, gv
-                changed = True
-        if limit is not None and all(m.any() for m in ok):
-            least = np.array([float(usages[i][ok[i]].min()) for i in range(len(nodes))])
-            base = _profile(problem, least)
-            worst_rest = _interval_max(base, problem)
-            for i, node in enumerate(nodes):
-                if node.interval[1] > node.interval[0]:
-                    fits = usages[i] + (worst_rest[i] - least[i]) <= limit * (1 + 1e-12)
-                    good = ok[i] & fits
-                    if not np.array_equal(good, ok[i]):
-                        if not good.any():
-                            raise InfeasibleError(
-                                f"node {i} ({node.name}) fits no strategy under the usage limit {limit:g}",
-                                (),
-                            )
-                        ok[i] = good
-                        changed = True
+                changed_nodes = [u] if not np.array_equal(good, ok[u]) else []
+                ok[u] = good
+            else:
+                sub = finite & ok[u][:, None] & ok[v][None, :]
+                gu = sub.any(axis=1) & ok[u]
+                gv = sub.any(axis=0) & ok[v]
+                changed_nodes = []
+                if not np.array_equal(gu, ok[u]):
+                    ok[u] = gu
+                    changed_nodes.append(u)
+                if not np.array_equal(gv, ok[v]):
+                    ok[v] = gv
+                    changed_nodes.append(v)
+            for i in changed_nodes:
+                if not ok[i].any():
+                    raise empty(i)
+                for j in incident[i]:
+                    if not queued[j]:
+                        queued[j] = True
+                        pending.append(j)
+        if limit is None or not live.any():
+            break
+        mask = np.concatenate(ok)
+        least = np.minimum.reduceat(np.where(mask, flat_usage, INF), first)
+        base = _profile(problem, least)
+        worst_rest = _interval_max(base, problem)
+        fits = flat_usage + (worst_rest - least)[owner] <= limit * (1 + 1e-12)
+        drop = mask & ~fits & live[owner]
+        if not drop.any():
+            break
+        for i in np.unique(owner[drop]):
+            good = ok[i] & fits[first[i]:first[i] + sizes[i]]
+            if not good.any():
+                raise InfeasibleError(
+                    f"node {i} ({nodes[i].name}) fits no strategy under the usage limit {limit:g}", ()
+                )
+            ok[i] = good
+            for j in incident[i]:
+                if not queued[j]:
+                    queued[j] = True
+                    pending.append(j)
     smaps = [np.flatnonzero(m) for m in ok]
+    whole = [len(sm) == nd.num_strategies for sm, nd in zip(smaps, nodes)]
     new_nodes = tuple(
-        Node(n.name, np.asarray(n.costs, dtype=np.float64)[sm], usages[i][sm], n.interval,
-             tuple(n.labels[k] for k in sm) if n.labels else ())
-        for i, (n, sm) in enumerate(zip(nodes, smaps))
+        nd if whole[i] else
+        Node(nd.name, np.asarray(nd.costs, dtype=np.float64)[sm], np.asarray(nd.usages, dtype=np.float64)[sm],
+             nd.interval, tuple(nd.labels[k] for k in sm) if nd.labels else ())
+        for i, (nd, sm) in enumerate(zip(nodes, smaps))
     )
-    new_edges = tuple(Edge(e.u, e.v, np.asarray(e.costs, dtype=np.float64)[np.ix_(smaps[e.u], smaps[e.v])]) for e in problem.edges)
+    new_edges = tuple(
+        e if whole[e.u] and whole[e.v] else Edge(e.u, e.v, np.asarray(e.costs, dtype=np.float64)[np.ix_(smaps[e.u], smaps[e.v])])
+        for e in problem.edges
+    )
     reduced = Problem(new_nodes, new_edges, problem.usage_limit, (), problem.name)
     return reduced, Step(len(nodes), np.arange(len(nodes)), tuple(smaps))
 
@@ -425,8 +474,14 @@ def drop_dominated(problem: Problem) -> tuple[Problem, Step]:
 def fold_fixed(problem: Problem) -> tuple[Problem, Step]:
     """Single-strategy nodes hand their edge rows to their neighbours' node costs."""
     work = _Work(problem)
-    matters = memory_matters(problem)
-    for i in range(len(problem.nodes)):
+    _fold_fixed(work, memory_matters(problem))
+    return work.build()
+
+
+def _fold_fixed(work: _Work, matters: np.ndarray) -> None:
+    for i in range(len(work.costs)):
+        if not work.alive[i]:
+            continue
         if len(work.costs[i]) != 1 or (not work.adj[i] and matters[i]):
             continue
         if work.ghost[i]:
@@ -439,7 +494,6 @@ def fold_fixed(problem: Problem) -> tuple[Problem, Step]:
         work.offset += float(work.costs[i][0])
         work.eliminated.append(Fixed(i, 0))
         work.remove_node(i, None)
-    return work.build()
 
 
 def _eliminable(work: _Work, matters: np.ndarray, v: int) -> tuple[bool, float | None]:
@@ -460,8 +514,12 @@ def fold_followers(problem: Problem) -> tuple[Problem, Step]:
     edges (rows re-indexed by ``f``) move onto ``u``.
     """
     work = _Work(problem)
-    matters = memory_matters(problem)
-    for v in range(len(problem.nodes)):
+    _fold_followers(work, memory_matters(problem))
+    return work.build()
+
+
+def _fold_followers(work: _Work, matters: np.ndarray) -> None:
+    for v in range(len(work.costs)):
         if not work.alive[v] or work.ghost[v] or len(work.costs[v]) <= 1:
             continue
         ok, ghost = _eliminable(work, matters, v)
@@ -481,7 +539,6 @@ def fold_followers(problem: Problem) -> tuple[Problem, Step]:
             work.eliminated.append(Follow(v, u, f.astype(np.int64)))
             work.remove_node(v, ghost)
             break
-    return work.build()
 
 
 def eliminate_low_degree(problem: Problem) -> tuple[Problem, Step]:
@@ -493,9 +550,13 @@ def eliminate_low_degree(problem: Problem) -> tuple[Problem, Step]:
     when the table would exceed ``MAX_PAIR_TABLE`` entries).
     """
     work = _Work(problem)
-    matters = memory_matters(problem)
-    queue = list(range(len(problem.nodes)))
-    queued = np.ones(len(problem.nodes), dtype=bool)
+    _eliminate_low_degree(work, memory_matters(problem))
+    return work.build()
+
+
+def _eliminate_low_degree(work: _Work, matters: np.ndarray) -> None:
+    queue = list(range(len(work.costs)))
+    queued = np.ones(len(work.costs), dtype=bool)
     while queue:
         v = queue.pop()
         queued[v] = False
@@ -541,6 +602,19 @@ def eliminate_low_degree(problem: Problem) -> tuple[Problem, Step]:
             if not queued[x]:
                 queued[x] = True
                 queue.append(x)
+
+
+def fold_and_eliminate(problem: Problem) -> tuple[Problem, Step]:
+    """``merge_parallel_edges``, ``fold_fixed``, ``eliminate_low_degree`` and ``fold_followers`` in one pass.
+
+    The same reductions on one working copy, so the problem is converted and
+    rebuilt once rather than four times (the cost that counts on large problems).
+    """
+    work = _Work(problem)
+    matters = memory_matters(problem)
+    _fold_fixed(work, matters)
+    _eliminate_low_degree(work, matters)
+    _fold_followers(work, matters)
     return work.build()
 
 
@@ -591,10 +665,7 @@ def split_components(problem: Problem) -> list[tuple[Problem, np.ndarray]]:
 
 
 REDUCTIONS: tuple[Callable[[Problem], tuple[Problem, Step]], ...] = (
-    merge_parallel_edges,
-    fold_fixed,
-    eliminate_low_degree,
-    fold_followers,
+    fold_and_eliminate,  # merge_parallel_edges, fold_fixed, eliminate_low_degree, fold_followers
     drop_dominated,
 )
 
@@ -629,11 +700,16 @@ class Reduced:
 def reduce(problem: Problem, max_rounds: int = 20, min_gain: float = 0.01) -> Reduced:
     """Apply every reduction to a fixpoint (or until a round shrinks the problem by less than ``min_gain``).
 
+    Above ``LARGE_PROBLEM`` nodes: ``restrict`` and one ``fold_and_eliminate``
+    pass only (on IOPDDL K, P and S the dominance test and a second
+    ``restrict`` cost seconds each and remove almost nothing).
+
     ``stats`` reports nodes (with more than one strategy), edges and strategies
     before and after, and the number of ghosts. Raises ``InfeasibleError`` when
     the hard constraints alone leave a node without strategies.
     """
-    if len(problem.nodes) > LARGE_PROBLEM:
+    large = len(problem.nodes) > LARGE_PROBLEM
+    if large:
         max_rounds = 1
     steps: list[Step] = []
     current, step = restrict(problem)
@@ -641,9 +717,11 @@ def reduce(problem: Problem, max_rounds: int = 20, min_gain: float = 0.01) -> Re
     before = _size(problem)
     for _ in range(max_rounds):
         size = _size(current)
-        for reduction in REDUCTIONS:
+        for reduction in REDUCTIONS[:1] if large else REDUCTIONS:
             current, step = reduction(current)
             steps.append(step)
+        if large:
+            break
         current, step = restrict(current)
         steps.append(step)
         new = _size(current)

@@ -14,6 +14,18 @@ the true value, and a reduction over that axis is still pending.
     (4, 16)
     >>> [str(c) for c in candidate_shardings((8, 3), mesh)]
     ['[{}, {}]', '[{data}, {}]', '[{model}, {}]', '[{data, model}, {}]']
+
+A split need not divide its dimension: as in XLA's SpmdPartitioner, every
+shard then holds ``ceil(n / shards)`` elements and the last ones hold padding
+past the end. JAX lays out only even splits at a ``jax.jit`` boundary, so an
+uneven value enters and leaves a program as ``evened``: its uneven dimensions
+unsplit.
+
+    >>> s = Sharding((("model",), ()))
+    >>> s.local_shape((10, 6), mesh), s.divides((10, 6), mesh), str(s.evened((10, 6), mesh))
+    ((3, 6), False, '[{}, {}]')
+    >>> uneven_split_fits(10, 4), uneven_split_fits(6, 4)   # shards 3,3,3,1 / 2,2,2,0
+    (True, False)
 """
 
 from __future__ import annotations
@@ -102,6 +114,21 @@ class Sharding:
     def divides(self, shape: Sequence[int], mesh: MeshSpec) -> bool:
         return all(size % self.dim_shards(d, mesh) == 0 for d, size in enumerate(shape))
 
+    def uneven_dims(self, shape: Sequence[int], mesh: MeshSpec) -> tuple[int, ...]:
+        """Dimensions split into parts that do not divide them (their shards hold padding)."""
+        return tuple(d for d, size in enumerate(shape) if self.dims[d] and size % self.dim_shards(d, mesh))
+
+    def evened(self, shape: Sequence[int], mesh: MeshSpec) -> Sharding:
+        """This sharding with its uneven dimensions unsplit: the layout JAX accepts at a ``jax.jit`` boundary.
+
+        Going from ``evened`` to this sharding is a local slice; back, an all-gather of the uneven dimensions.
+        """
+        uneven = self.uneven_dims(shape, mesh)
+        if not uneven:
+            return self
+        return Sharding(tuple(() if d in uneven else axes for d, axes in enumerate(self.dims)), self.partial,
+                        self.reduce_op)
+
     def local_shape(self, shape: Sequence[int], mesh: MeshSpec) -> tuple[int, ...]:
         """Per-device shape (dimensions padded up where the split is uneven)."""
         return tuple(-(-size // mesh.group_size(axes)) if axes else size for size, axes in zip(shape, self.dims))
@@ -152,6 +179,17 @@ class Sharding:
         )
 
 
+def uneven_split_fits(size: int, n: int) -> bool:
+    """Whether ``n`` shards of a dimension of ``size`` (not a multiple of ``n``) waste less than one shard.
+
+    Every shard holds ``ceil(size / n)`` elements; a split where a whole
+    shard would be padding (``6`` over ``4``: ``2, 2, 2, 0``) does the work of
+    fewer devices at the memory of ``n``, and is not offered.
+    """
+    local = -(-size // n)
+    return size >= n and local * n - size < local
+
+
 def _dim_assignments(shape: Sequence[int], mesh: MeshSpec, allow_uneven: bool) -> Iterator[tuple[tuple[str, ...], ...]]:
     axes = [a for a in mesh.axes if a.size > 1]
     ndim = len(shape)
@@ -165,7 +203,7 @@ def _dim_assignments(shape: Sequence[int], mesh: MeshSpec, allow_uneven: bool) -
         ok = True
         for d, names in enumerate(dims):
             n = math.prod(mesh.axis(a).size for a in names)
-            if n > 1 and (shape[d] % n != 0 if not allow_uneven else shape[d] < n):
+            if n > 1 and shape[d] % n != 0 and not (allow_uneven and uneven_split_fits(shape[d], n)):
                 ok = False
                 break
         if ok:
@@ -175,8 +213,10 @@ def _dim_assignments(shape: Sequence[int], mesh: MeshSpec, allow_uneven: bool) -
 def candidate_shardings(shape: Sequence[int], mesh: MeshSpec, *, allow_uneven: bool = False) -> list[Sharding]:
     """Every non-partial sharding of ``shape`` on ``mesh`` that splits dimensions evenly.
 
-    Size-1 mesh axes are never used; several axes on one dimension keep mesh
-    order. The replicated sharding comes first; the order is deterministic.
+    With ``allow_uneven``, also splits that do not divide a dimension where no
+    shard is all padding (``uneven_split_fits``). Size-1 mesh axes are never
+    used; several axes on one dimension keep mesh order. The replicated
+    sharding comes first; the order is deterministic.
     """
     out = [Sharding(d) for d in _dim_assignments(tuple(shape), mesh, allow_uneven)]
     out.sort(key=lambda s: (len(s.axes), _mesh_rank(s, mesh)))

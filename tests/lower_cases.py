@@ -5,7 +5,8 @@ Shared by ``tests/test_lower.py`` (a deterministic slice) and
 seed: a few input arrays, then chains and DAGs of ``dot_general``/einsum,
 elementwise ops, reductions, reshapes, transposes, broadcasts,
 concatenations and slices over the values made so far, and one to three of
-the values as outputs. Shapes are small (dimensions 2 to 8).
+the values as outputs. Shapes are small (dimensions 2 to 8; with
+``uneven=True`` also 3 and 6, and annotations that split them unevenly).
 
 ``random_solver(seed)`` stands in for ``shardsolve.encodings.solve``: it picks
 a random strategy per node among those every incoming reshard allows, so a
@@ -229,7 +230,10 @@ def _describe(n_inputs, steps, vshapes, outs, input_values) -> str:
 
 
 def _random_spec(rng: random.Random, shape: tuple[int, ...], mesh: str, uneven: bool):
-    """A random PartitionSpec (or None = free) of ``shape`` on ``mesh`` whose splits divide it."""
+    """A random PartitionSpec (or None = free) of ``shape`` on ``mesh`` whose splits divide it.
+
+    With ``uneven``, a split may also leave padding (never more parts than elements).
+    """
     if rng.random() < 0.4:
         return None
     axes = [(name, int(size)) for name, size in (a.split("=") for a in mesh.split(",")) if int(size) > 1]

@@ -206,20 +206,66 @@ def test_gpt2_lowers_exactly():
 
 
 def test_scan_body_planned_once_lowers_exactly():
-    """A scan planned with its body: the body's reshards run inside the loop, counted once as XLA shows them."""
+    """A scan planned with its body: the body's reshards run inside the loop, counted once as XLA shows them.
+
+    Both scans (forward and backward) close over the same mask; the greedy plan reads it in
+    another layout inside the bodies. That reshard of a loop invariant runs once, before the
+    loop, shared by the two scans: predicted and lowered alike.
+    """
     m = _model("models/scan_transformer.py:scan_transformer")
     plan = plan_with_solver(greedy_solver(), m.fun, *m.args, mesh="data=2,model=4", in_shardings=m.in_shardings,
                             out_shardings=m.out_shardings)
     assert any(o.length for o in plan.ops)
+    hoisted = [c for c in plan.collectives if "before the loop" in c.consumer]
+    assert hoisted and all(c.repeats == 1 for c in hoisted)
     outcome = check_lowering(plan, m.args)
     assert outcome.numerics_ok, outcome.max_rel
-    if outcome.predicted != outcome.lowered:
-        # Known gap: both scans close over the same mask constant; XLA hoists the reshard of
-        # that loop-invariant constant out of each loop and merges the two copies, while the
-        # plan prices one per scan body. The planner should share identical body constants.
-        extra = {k: outcome.predicted.get(k, 0) - outcome.lowered.get(k, 0) for k in outcome.predicted}
-        assert all(v >= 0 for v in extra.values()), (outcome.predicted, outcome.lowered)
-        pytest.xfail(f"loop-invariant body-constant reshards merged by XLA: {extra}")
+    assert outcome.predicted == outcome.lowered
+
+
+def _two_scans(w, x):
+    def body(h, _):
+        return jnp.tanh(h @ w), None
+
+    h, _ = jax.lax.scan(body, x, None, length=4)
+    g, _ = jax.lax.scan(body, h * 0.5, None, length=3)
+    return jnp.sum(g**2)
+
+
+def _invariant_layouts(plan) -> list[set]:
+    """Per planned scan: the layouts its body reads its consts in, other than the ones they enter in."""
+    from shardsolve.planner import loop_invariant_demands
+
+    out = []
+    for op, o in zip(plan.graph.ops, plan.ops):
+        if o.length:
+            body, n, n_carry = plan.graph.body(op), int(op.params["num_consts"]), int(op.params["num_carry"])
+            ends = list(o.results[:n_carry]) + [Sharding(s.dims[1:]) for s in o.results[n_carry:]]
+            demands = loop_invariant_demands(body, n, [b.operands for b in o.body], ends)
+            out.append({t for v, t in demands if v in body.inputs and t != o.operands[body.inputs.index(v)]})
+    return out
+
+
+def test_two_scans_share_the_hoisted_reshard_of_a_closed_over_value():
+    """Both scans read ``w`` in a layout it does not enter in: one reshard before the first loop serves both."""
+    w = jax.random.normal(jax.random.key(1), (16, 16)) / 4
+    x = jax.random.normal(jax.random.key(2), (32, 16))
+    for seed in range(60):  # random strategies until both bodies read w in one layout that needs a collective
+        plan = plan_with_solver(random_solver(seed), _two_scans, w, x, mesh="data=2,model=4",
+                                in_shardings=(P("data", "model"), None))
+        first_scan, second_scan = (op.id for op in plan.graph.ops if op.primitive == "scan")
+        first, second = _invariant_layouts(plan)
+        hoisted = [c for c in plan.collectives if "before the loop" in c.consumer]
+        if any(c.consumer.startswith(f"%{first_scan} ") and c.target in first & second for c in hoisted):
+            break
+    else:
+        pytest.fail("no random plan reads w in one layout, reached by a collective, in both scan bodies")
+    assert all(c.repeats == 1 for c in hoisted)
+    # the second scan finds that layout made: it reshards w again only into layouts of its own
+    assert not any(c.consumer.startswith(f"%{second_scan} ") and c.target in first for c in hoisted)
+    outcome = check_lowering(plan, (w, x))
+    assert outcome.numerics_ok, outcome.max_rel
+    assert outcome.predicted == outcome.lowered
 
 
 # -- random programs ------------------------------------------------------------------------

@@ -120,7 +120,7 @@ def test_out_shardings_are_respected():
         (dict(mesh="data=2,,model"), "cannot parse mesh axis"),
         (dict(mesh="data=2,model=4", in_shardings=(None, P("pipe"))), "unknown mesh axis 'pipe'"),
         (dict(mesh="data=2,model=4", in_shardings=(None, P("data", "data"))), "twice"),
-        (dict(mesh="data=2,model=4", in_shardings=(None, P(None, "model"))), r"in_shardings\[1\].*uneven"),
+        (dict(mesh="data=2,model=4", in_shardings=(None, P(None, None, "model"))), r"in_shardings\[1\].*rank 2"),
         (dict(mesh="data=2,model=4", in_shardings=(None, P("data"), None)), "in_shardings does not match"),
         (dict(mesh="data=2,model=4", in_shardings=({"w1": None}, None)), "in_shardings does not match"),
         (dict(mesh="data=2,model=4", time_limit=-1), "time_limit"),
@@ -131,6 +131,19 @@ def test_bad_input_one_line_errors(kwargs, message):
     params, x = _mlp_args(d=30)
     with pytest.raises(ShardsolveError, match=message) as info:
         shardsolve.plan(_mlp_step, params, x, **kwargs)
+    assert "\n" not in str(info.value)
+
+
+def test_uneven_pins_are_planned_and_oversized_splits_refused():
+    """30 columns over 4 devices pad to shards of 8 (see tests/test_uneven.py); 3 rows over 4 leave a device empty."""
+    params, x = _mlp_args(d=30)
+    plan = shardsolve.plan(_mlp_step, params, x, mesh="data=2,model=4", in_shardings=(None, P(None, "model")))
+    assert plan.inputs[-1] == Sharding.from_spec(P(None, "model"), 2)
+    assert plan.in_shardings[1] == NamedSharding(plan.mesh.jax_mesh(), P())  # JAX takes it evened
+    _close(plan.jit()(params, x), _mlp_step(params, x))
+    params, x = _mlp_args(batch=3, d=30)
+    with pytest.raises(ShardsolveError, match=r"in_shardings\[1\].*dimension 0 of size 3 into 4 parts") as info:
+        shardsolve.plan(_mlp_step, params, x, mesh="data=2,model=4", in_shardings=(None, P("model")))
     assert "\n" not in str(info.value)
 
 

@@ -15,6 +15,7 @@ from shardsolve.problem import FORBIDDEN, Edge, Node, Pin, Problem
 from shardsolve.reductions import (
     drop_dominated,
     eliminate_low_degree,
+    fold_and_eliminate,
     fold_fixed,
     fold_followers,
     memory_matters,
@@ -129,6 +130,62 @@ def test_fold_followers_is_exact(problem):
 @given(small_problems())
 def test_eliminate_low_degree_is_exact(problem):
     assert_exact(_pinless(problem), eliminate_low_degree)
+
+
+@SETTINGS
+@given(small_problems())
+def test_fold_and_eliminate_is_exact(problem):
+    assert_exact(_pinless(problem), fold_and_eliminate)
+
+
+def _restrict_by_sweeps(problem: Problem) -> list[np.ndarray]:
+    """Arc consistency and the memory test by whole sweeps to a fixpoint (the plain definition)."""
+    ok = [np.asarray(n.costs) < FORBIDDEN for n in problem.nodes]
+    for pin in problem.pins:
+        mask = np.zeros(len(ok[pin.node]), dtype=bool)
+        mask[list(pin.allowed)] = True
+        ok[pin.node] &= mask
+    changed = True
+    while changed and all(m.any() for m in ok):
+        changed = False
+        for e in problem.edges:
+            fin = np.asarray(e.costs) < FORBIDDEN
+            if e.u == e.v:
+                good = np.diag(fin) & ok[e.u]
+                changed |= not np.array_equal(good, ok[e.u])
+                ok[e.u] = good
+                continue
+            sub = fin & ok[e.u][:, None] & ok[e.v][None, :]
+            gu, gv = sub.any(axis=1) & ok[e.u], sub.any(axis=0) & ok[e.v]
+            changed |= not (np.array_equal(gu, ok[e.u]) and np.array_equal(gv, ok[e.v]))
+            ok[e.u], ok[e.v] = gu, gv
+        if problem.usage_limit is not None and all(m.any() for m in ok):
+            horizon = max(n.interval[1] for n in problem.nodes)
+            least = [float(n.usages[m].min()) for n, m in zip(problem.nodes, ok)]
+            prof = np.zeros(horizon + 1)
+            for n, u in zip(problem.nodes, least):
+                prof[n.interval[0]:n.interval[1]] += u
+            for i, n in enumerate(problem.nodes):
+                s, e = n.interval
+                if e > s:
+                    rest = prof[s:e].max() - least[i]
+                    good = ok[i] & (n.usages + rest <= problem.usage_limit * (1 + 1e-12))
+                    changed |= not np.array_equal(good, ok[i])
+                    ok[i] = good
+    return ok
+
+
+@SETTINGS
+@given(small_problems())
+def test_restrict_worklist_matches_sweeps(problem):
+    """The worklist keeps exactly the strategies whole sweeps to a fixpoint keep."""
+    want = _restrict_by_sweeps(problem)
+    try:
+        _, step = restrict(problem)
+    except InfeasibleError:
+        assert not all(m.any() for m in want)
+        return
+    assert [list(m) for m in step.strategy_maps] == [list(np.flatnonzero(m)) for m in want]
 
 
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])

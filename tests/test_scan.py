@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -13,6 +14,7 @@ from jax.sharding import PartitionSpec as P
 import shardsolve
 from shardsolve import planner
 from shardsolve.plan import Plan
+from shardsolve.problem import FORBIDDEN
 from shardsolve.sharding import Sharding
 
 MESH = "data=2,model=4"
@@ -111,3 +113,42 @@ def test_scan_lowered_by_the_rewriter_matches_prediction(planned):
     _close(run(*args), jax.jit(_layers)(*args))
     lowered = hlo.collectives_from_hlo(run.lower(*args).compile().as_text(), plan.mesh)
     assert hlo.inventory(lowered, plan.mesh) == hlo.inventory(plan.collectives, plan.mesh)
+
+
+def _scan_reads(w, x, length):
+    def body(h, _):
+        return jnp.tanh(h @ w), None
+
+    h, _ = jax.lax.scan(body, x, None, length=length)
+    return h
+
+
+def _body_edges(length):
+    """{(boundary node kind, body primitive): edge table} of a scan over ``length`` iterations reading ``w``."""
+    from shardsolve.graph import Graph
+    from shardsolve.mesh import MeshSpec
+    from shardsolve.trace import trace
+
+    w, x = jnp.ones((16, 16)), jnp.ones((32, 16))
+    graph = Graph.from_traced(trace(partial(_scan_reads, length=length), w, x))
+    built = planner.build_problem(graph, MeshSpec.parse(MESH), [(None, "")] * 2, [(None, "")])
+    (sn,) = built.scans.values()
+    body_nodes = {idx: sn.body.ops[op_id].primitive for op_id, idx in sn.op_node.items()}
+    out = {}
+    for e in built.problem.edges:
+        for a, b in ((e.u, e.v), (e.v, e.u)):
+            if built.nodes[a].kind in ("scan-const", "scan-carry") and b in body_nodes:
+                out[(built.nodes[a].kind, body_nodes[b])] = e.costs if a == e.u else e.costs.T
+    return out
+
+
+def test_loop_invariant_reads_are_priced_once_per_scan():
+    """The body reads a const in some layout once, before the loop; the carry's reshards run every iteration."""
+    short, long = _body_edges(2), _body_edges(8)
+    const_read, carry_read = ("scan-const", "dot_general"), ("scan-carry", "dot_general")
+    assert const_read in short and carry_read in short
+    assert np.any(short[const_read] > 0) and np.any(short[carry_read] > 0)
+    allowed = short[carry_read] < FORBIDDEN
+    np.testing.assert_array_equal(long[carry_read] < FORBIDDEN, allowed)
+    np.testing.assert_allclose(long[carry_read][allowed], 4 * short[carry_read][allowed])
+    np.testing.assert_allclose(long[const_read], short[const_read])

@@ -94,6 +94,7 @@ def test_lower_bounds_are_valid(problem):
     tol = 1e-9 * max(1.0, abs(opt))
     assert bounds.trivial_bound(flat) <= opt + tol
     assert bounds.dual_bound(flat, iterations=30) <= opt + tol
+    assert bounds.trws_bound(flat, passes=20)[0] <= opt + tol
     assert bounds.lp_bound(flat) <= opt + tol
     assert solve(free, time_limit=2).lower_bound <= brute_force(free)[0] + tol
 
@@ -107,6 +108,46 @@ def test_dual_and_lp_bounds_below_optimum(problem):
     flat = heuristics.flatten(problem)
     assert bounds.dual_bound(flat, iterations=50) <= sol.cost * (1 + 1e-9) + 1e-9
     assert bounds.lp_bound(flat) <= sol.cost * (1 + 1e-9) + 1e-9
+
+
+@st.composite
+def random_trees(draw, max_nodes: int = 7) -> Problem:
+    """A random tree (node ``i`` joined to an earlier one, in either direction), no memory, nothing forbidden."""
+    n = draw(st.integers(2, max_nodes))
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    sizes = rng.integers(1, 4, size=n)
+    nodes = tuple(Node(f"n{i}", rng.integers(0, 10, size=s).astype(float), np.zeros(s)) for i, s in enumerate(sizes))
+    edges = []
+    for i in range(1, n):
+        j = int(rng.integers(0, i))
+        u, v = (j, i) if rng.random() < 0.5 else (i, j)
+        edges.append(Edge(u, v, rng.integers(0, 10, size=(sizes[u], sizes[v])).astype(float)))
+    return Problem(nodes, tuple(edges))
+
+
+@FAST
+@given(random_trees())
+def test_trws_bound_is_exact_on_trees(problem):
+    opt, _ = brute_force(problem)
+    bound, _, _ = bounds.trws_bound(heuristics.flatten(problem), passes=60)
+    assert bound <= opt + 1e-9 * max(1.0, opt)
+    assert bound == pytest.approx(opt, rel=1e-6, abs=1e-6)
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(sparse_problems(max_nodes=40))
+def test_trws_warm_start_is_valid_after_repair(problem):
+    from shardsolve.encodings import _trws_starts
+
+    flat = heuristics.flatten(problem)
+    x, cost, work = _trws_starts(flat, math.inf, seed=0)
+    assert work > 0
+    if x is None or not math.isfinite(cost):
+        return
+    assert cost == pytest.approx(problem.evaluate(tuple(int(s) for s in x)), rel=1e-9)
+    assert problem.usage_limit is None or problem.peak_usage(tuple(int(s) for s in x)) <= problem.usage_limit + 1e-9
+    again = _trws_starts(flat, math.inf, seed=0)
+    assert np.array_equal(again[0], x)  # deterministic
 
 
 def test_reduce_table_splits_exactly():
@@ -246,3 +287,105 @@ def test_planner_problem_is_proven_optimal():
     sol = shardsolve.encodings.solve(built.problem, time_limit=10)
     assert sol.status == "optimal", (sol.status, sol.gap, sol.stats)
     assert sol.cost == built.problem.evaluate(sol.assignment)
+
+
+def _planted_problem(n: int, seed: int, forbidden: float = 0.3) -> tuple[Problem, tuple[int, ...]]:
+    """Many forbidden pairs (a share of them functional edges) and tight memory, with a planted valid assignment."""
+    rng = np.random.default_rng(seed)
+    sizes = rng.integers(2, 6, size=n)
+    planted = [int(rng.integers(0, s)) for s in sizes]
+    nodes = []
+    for i, s in enumerate(sizes):
+        start = int(rng.integers(0, n))
+        nodes.append(Node(f"n{i}", rng.integers(0, 50, size=s).astype(float), rng.integers(1, 6, size=s).astype(float),
+                          (start, start + int(rng.integers(1, 6)))))
+    edges = []
+    for i in range(1, n):
+        for j in {int(rng.integers(0, i)), int(rng.integers(max(0, i - 5), i)), int(rng.integers(max(0, i - 9), i))}:
+            table = rng.integers(0, 30, size=(sizes[j], sizes[i])).astype(float)
+            if rng.random() < 0.2:  # functional: each strategy of j allows exactly one of i
+                f = rng.integers(0, sizes[i], size=sizes[j])
+                f[planted[j]] = planted[i]
+                mask = np.zeros_like(table, dtype=bool)
+                mask[np.arange(sizes[j]), f] = True
+            else:
+                mask = rng.random(table.shape) >= forbidden
+                mask[planted[j], planted[i]] = True
+            edges.append(Edge(j, i, np.where(mask, table, FORBIDDEN)))
+    problem = Problem(tuple(nodes), tuple(edges), None, (), "planted")
+    limit = 1.1 * float(problem.peak_usage(planted))
+    return Problem(tuple(nodes), tuple(edges), limit, (), "planted"), tuple(planted)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_repair_removes_every_forbidden_pair(seed):
+    """From least usage and ICM on the softened problem, the component repair leaves no forbidden pair."""
+    from shardsolve.encodings import cpsat
+
+    problem, planted = _planted_problem(150, seed)
+    assert math.isfinite(problem.evaluate(planted))
+    flat = heuristics.flatten(problem)
+    soft, _ = heuristics.softened(flat)
+    start = heuristics.icm(soft, heuristics.least_usage(flat), sweeps=3)
+    x, used, stats = cpsat.repair_forbidden(flat, start, budget=20.0, seed=seed)
+    assert stats["repair_left"] == 0
+    assert len(cpsat.violated_edges(flat, x)) == 0
+    assert math.isfinite(problem.evaluate(tuple(int(s) for s in x)))
+    assert used <= 20.0 + 1.0
+
+
+def test_forbidden_components_separate_forbidden_pairs():
+    problem, _ = _planted_problem(80, seed=11)
+    flat = heuristics.flatten(problem)
+    from shardsolve.encodings import cpsat
+
+    comp = cpsat.forbidden_components(flat)
+    for k, t in enumerate(flat.tables):
+        if not np.isfinite(t).all():
+            assert comp[flat.eu[k]] == comp[flat.ev[k]]
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_solve_finds_a_valid_assignment_under_a_tiny_budget(seed):
+    """Many forbidden pairs, tight memory, a budget far too small to search: still a valid answer, never 'unknown'."""
+    problem, _ = _planted_problem(200, seed)
+    sol = solve(problem, time_limit=0.05, seed=seed)
+    assert sol.status in ("optimal", "feasible"), sol.stats
+    assert math.isfinite(problem.evaluate(sol.assignment))
+    assert sol.cost == problem.evaluate(sol.assignment)
+    assert sol.lower_bound <= sol.cost
+
+
+def test_repair_path_is_deterministic(monkeypatch):
+    """Forcing the large-problem path (no Python warm start, no LP): same answer twice, byte for byte."""
+    import shardsolve.encodings as enc
+
+    from shardsolve.reductions import reduce
+
+    for name in ("TINY_NODES", "EXACT_NODES", "LARGE_NODES", "LP_MAX_NODES"):
+        monkeypatch.setattr(enc, name, 0)
+    monkeypatch.setattr(enc, "reduce", lambda p: reduce(p, max_rounds=0))  # restrict only
+    problem, _ = _planted_problem(200, seed=5)
+    a = solve(problem, time_limit=0.05, seed=3)
+    b = solve(problem, time_limit=0.05, seed=3)
+    assert "repair_left" in a.stats  # the component repair ran
+    assert a.status in ("optimal", "feasible")
+    assert a.assignment == b.assignment and a.cost == b.cost and a.lower_bound == b.lower_bound
+    assert math.isfinite(problem.evaluate(a.assignment))
+
+
+def test_component_descent_keeps_validity_and_never_worsens():
+    from shardsolve.encodings import cpsat
+
+    problem, _ = _planted_problem(150, seed=2)
+    flat = heuristics.flatten(problem)
+    soft, _ = heuristics.softened(flat)
+    start, _, _ = cpsat.repair_forbidden(flat, heuristics.icm(soft, heuristics.least_usage(flat), sweeps=3), budget=5.0)
+    before = heuristics.evaluate(flat, start)
+    assert math.isfinite(before)
+    runs = [cpsat.component_descent(flat, start, budget=2.0, seed=1) for _ in range(2)]
+    x, cost, used, stats = runs[0]
+    assert cost <= before
+    assert cost == heuristics.evaluate(flat, x) == problem.evaluate(tuple(int(s) for s in x))
+    assert stats["descent_steps"] > 0
+    assert np.array_equal(runs[0][0], runs[1][0]) and runs[0][1] == runs[1][1]  # deterministic

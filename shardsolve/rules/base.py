@@ -18,6 +18,16 @@ The printed form is the single source of truth in tests:
     >>> [f"{', '.join(map(str, t.operands))} -> {t.results[0]}" for t in s]
     ['[{}, {}], [{}, {}] -> [{}, {}]', '[{x}, {}], [{}, {}] -> [{x}, {}]', '[{}, {x}], [{x}, {}] -> [{}, {}] partial{x}', '[{}, {}], [{}, {x}] -> [{}, {x}]']
 
+A factor may be split unevenly (``f=10`` over 4 devices: shards of 3, the
+last one holding padding) where no shard is all padding
+(``sharding.uneven_split_fits``) and the factor alone makes up every
+dimension it appears in (a compound dimension's shards would not line up
+with its factors'). Padding holds unspecified values; ``local.run_local``
+sets it to the reduction's identity (0 for a sum, -inf for a max) where a
+reduction factor is split unevenly, and padding-sensitive dimensions (a
+scan's or sort's axis, sliced, padded, reversed or concatenated dimensions)
+are need-replication anyway.
+
 *Linear* operand groups let partial values flow through: an ``add`` is linear
 in both operands together (``(A1 + A2) + (B1 + B2) = (A1 + B1) + (A2 + B2)``),
 a ``mul`` in each operand alone. For a linear group ``g``, a strategy may mark
@@ -35,9 +45,13 @@ from typing import Any, Sequence
 
 from shardsolve.cost import compute_time
 from shardsolve.mesh import MeshSpec
-from shardsolve.sharding import Sharding
+from shardsolve.sharding import Sharding, uneven_split_fits
 
 Dims = tuple[tuple[str, ...], ...]  # per dimension, its factors (major first)
+
+# Offer uneven splits (True), or even splits only (False: the planner's behaviour
+# before uneven support, kept for comparison).
+UNEVEN = True
 
 _FACTOR_TOKEN = re.compile(r"z_\d+|[a-z]")
 
@@ -225,17 +239,32 @@ class Rule:
     def splittable(self) -> tuple[str, ...]:
         return tuple(f for f, n in self.sizes if n > 1 and f not in self.need_replication)
 
+    def sole_factors(self) -> frozenset[str]:
+        """Factors that alone make up every dimension they appear in (size-1 companions aside)."""
+        compound = {
+            f
+            for group in (self.operands, self.results)
+            for dims in group
+            for d in dims
+            if sum(self._size[g] > 1 for g in d) > 1
+            for f in d
+        }
+        return frozenset(f for f in self.factors if f not in compound)
+
     def strategies(
         self,
         mesh: MeshSpec,
         *,
         allow_partial: bool = True,
         fixed_operands: Sequence[int] = (),
+        allow_uneven: bool | None = None,
     ) -> list[Strategy]:
         """Every valid strategy on ``mesh``, replicated first, in a deterministic order.
 
         ``fixed_operands`` are operands that can never arrive partial
         (literals, constants): linear groups containing them are skipped.
+        ``allow_uneven`` admits factors split unevenly (see the module
+        docstring); ``None`` follows ``UNEVEN``.
         """
         axes = [a for a in mesh.axes if a.size > 1]
         factors = self.splittable()
@@ -243,14 +272,15 @@ class Rule:
         if allow_partial and self.reduce_op == "sum":
             groups = [g for g in self.linear if not set(g) & set(fixed_operands)]
         options: list[Any] = [None] + list(factors) + [("partial", k) for k in range(len(groups))]
+        uneven = self.sole_factors() if (UNEVEN if allow_uneven is None else allow_uneven) else frozenset()
         out: list[Strategy] = []
         for choice in itertools.product(options, repeat=len(axes)):
-            strategy = self._strategy(mesh, axes, choice, groups)
+            strategy = self._strategy(mesh, axes, choice, groups, uneven)
             if strategy is not None:
                 out.append(strategy)
         return out
 
-    def _strategy(self, mesh: MeshSpec, axes, choice, groups) -> Strategy | None:
+    def _strategy(self, mesh: MeshSpec, axes, choice, groups, uneven: frozenset[str] = frozenset()) -> Strategy | None:
         on: dict[str, list[str]] = {}
         partial_via: list[tuple[str, int]] = []
         for axis, opt in zip(axes, choice):
@@ -263,7 +293,7 @@ class Rule:
         split: dict[str, int] = {}
         for f, names in on.items():
             n = math.prod(mesh.axis(a).size for a in names)
-            if self._size[f] % n != 0:
+            if self._size[f] % n != 0 and not (f in uneven and uneven_split_fits(self._size[f], n)):
                 return None
             split[f] = n
 
@@ -311,7 +341,13 @@ class Rule:
         shapes += [self.result_shape(k) for k in range(len(self.results))]
         for shape, sharding, itemsize in zip(shapes, strategy.operands + strategy.results, itemsizes):
             nbytes += sharding.local_bytes(shape, itemsize, mesh)
-        return compute_time(self.flops / strategy.work_split, nbytes, mesh)
+        # An uneven split's shards are padded: each of a factor's n devices works on ceil(size / n) of it.
+        padded = exact = 1
+        for f, axes in strategy.assignment:
+            n = mesh.group_size(axes)
+            padded *= -(-self._size[f] // n) * n
+            exact *= self._size[f]
+        return compute_time(self.flops / strategy.work_split * (padded / exact), nbytes, mesh)
 
 
 def _factor_key(name: str) -> tuple[int, int | str]:

@@ -8,7 +8,8 @@ summand, or its max/min candidate). No collective is issued here: pending
 reductions are the rewriter's to resolve.
 
 Most primitives simply re-bind with their shape-carrying parameters made
-local. For ``broadcast_in_dim`` of ``f32[8] -> f32[8, 4]`` under
+local; layout requests (``sharding_constraint``, ``device_put``) pass their
+shards through. For ``broadcast_in_dim`` of ``f32[8] -> f32[8, 4]`` under
 ``[{}, {x}]`` on ``x=2`` the local call is ``broadcast_in_dim(shape=(8, 2))``.
 The others:
 
@@ -20,6 +21,14 @@ The others:
 - ``scatter-add`` with a split indexed dimension drops updates outside the
   shard's rows; when its index batch factors are split, one device of each
   group keeps the operand and the others start from zeros.
+
+Uneven splits: a dimension split into parts that do not divide it arrives
+padded to ``ceil(n / shards)`` per shard, the padding past its end holding
+unspecified values. Where that dimension carries a *reduction* factor, its
+padding is first set to the reduction's identity in every operand (0 for a
+sum or a contraction, -inf for a max, +inf for a min), so ``f32[10] @ f32[10]``
+contracted over 4 shards of 3 sums exactly the 10 products. Padding elsewhere
+stays padding: pointwise work on it is wasted, never read back.
 """
 
 from __future__ import annotations
@@ -96,7 +105,56 @@ def run_local(
 ) -> list:
     """Each result's local shard, from each operand's local shard (see the module docstring)."""
     kernel = KERNELS.get(op.primitive, _rebind)
-    return kernel(LocalCall(op, rule, strategy, mesh, axis_index), list(operands))
+    operands = _clear_reduced_padding(op, rule, strategy, mesh, list(operands), axis_index)
+    return kernel(LocalCall(op, rule, strategy, mesh, axis_index), operands)
+
+
+def _clear_reduced_padding(op: OpView, rule: Rule, strategy: Strategy, mesh: MeshSpec, operands: list,
+                           axis_index: AxisIndex) -> list:
+    """Set the padding of unevenly split reduction factors to the reduction's identity."""
+    reduced = {f for f in rule.reduction if strategy.axes_of(f) and rule.size(f) % mesh.group_size(strategy.axes_of(f))}
+    if not reduced:
+        return operands
+    out = []
+    for k, x in enumerate(operands):
+        dims = rule.operands[k] if k < len(rule.operands) else ()
+        for d, factors in enumerate(dims):
+            if reduced & set(factors) and hasattr(x, "ndim") and x.ndim == len(dims):
+                x = fill_padding(x, d, op.in_shapes[k][d], strategy.operands[k].dims[d], mesh, axis_index,
+                                 identity(rule.reduce_op, x.dtype))
+        out.append(x)
+    return out
+
+
+def identity(reduce_op: str, dtype: Any) -> Any:
+    """The identity of a ``sum``/``max``/``min`` reduction in ``dtype``."""
+    import jax.numpy as jnp
+
+    if reduce_op == "sum":
+        return 0
+    if jnp.issubdtype(dtype, jnp.floating):
+        return -jnp.inf if reduce_op == "max" else jnp.inf
+    if jnp.issubdtype(dtype, jnp.integer):
+        info = jnp.iinfo(dtype)
+        return info.min if reduce_op == "max" else info.max
+    return reduce_op == "min"  # bool: max identity False, min identity True
+
+
+def fill_padding(x: Any, d: int, size: int, axes: Sequence[str], mesh: MeshSpec, axis_index: AxisIndex, value: Any):
+    """Set the elements of the local shard ``x`` past the end of global dimension ``d`` (of ``size``) to ``value``.
+
+    ``axes`` split dimension ``d`` (major to minor); each shard holds ``x.shape[d]`` elements.
+    """
+    import jax
+    import jax.numpy as jnp
+
+    if not axes or size % mesh.group_size(axes) == 0:
+        return x
+    idx = jnp.int32(0)
+    for a in axes:
+        idx = idx * mesh.axis(a).size + axis_index(a)
+    pos = idx * x.shape[d] + jax.lax.broadcasted_iota(jnp.int32, x.shape, d)
+    return jnp.where(pos < size, x, jnp.asarray(value, x.dtype))
 
 
 # -- kernels --------------------------------------------------------------
@@ -104,6 +162,11 @@ def run_local(
 
 def _rebind(call: LocalCall, operands: list) -> list:
     return call.bind(operands)
+
+
+def _layout_only(call: LocalCall, operands: list) -> list:
+    """``sharding_constraint``/``device_put``: layout requests; the plan has laid the shards out already."""
+    return list(operands)
 
 
 def _broadcast_in_dim(call: LocalCall, operands: list) -> list:
@@ -247,6 +310,8 @@ def _scatter_add(call: LocalCall, operands: list) -> list:
 
 
 KERNELS: dict[str, Kernel] = {
+    "sharding_constraint": _layout_only,
+    "device_put": _layout_only,
     "broadcast_in_dim": _broadcast_in_dim,
     "reshape": _reshape,
     "iota": _iota,

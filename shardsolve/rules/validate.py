@@ -8,6 +8,11 @@ results (sum, max or min over their partial axes), check that devices which
 should agree do, and compare with the primitive run unsharded. This is
 DTensor's ``strategy_validation.py`` idea applied to factor rules.
 
+A dimension split unevenly is laid out as SpmdPartitioner lays it out, every
+shard ``ceil(n / shards)`` long, and its padding is filled with garbage (NaN,
+or a large integer, or ``True``), so a kernel that reads padding where it
+should not shows up as a mismatch; results are compared on their logical extent.
+
     >>> import jax, jax.numpy as jnp
     >>> from shardsolve.mesh import MeshSpec
     >>> eqn = find_equation(lambda a, b: a @ b, jnp.ones((8, 4)), jnp.ones((4, 8)), primitive="dot_general")
@@ -145,11 +150,31 @@ class _Prepared:
     extras: tuple[tuple[str, ...], ...]  # per result: mesh axes stacked in front (not splitting it)
 
 
+def _garbage(dtype: np.dtype) -> Any:
+    if dtype == np.bool_:
+        return True
+    if jnp.issubdtype(dtype, jnp.integer):
+        return 77
+    return np.nan
+
+
+def _padded(value: np.ndarray, sharding: Sharding, mesh: MeshSpec) -> np.ndarray:
+    """``value`` padded past the end of its unevenly split dimensions with garbage."""
+    value = np.asarray(value)
+    if value.ndim != sharding.ndim or sharding.divides(value.shape, mesh):
+        return value
+    local = sharding.local_shape(value.shape, mesh)
+    shape = tuple(c * sharding.dim_shards(d, mesh) for d, c in enumerate(local))
+    out = np.full(shape, _garbage(value.dtype), dtype=value.dtype)
+    out[tuple(slice(0, n) for n in value.shape)] = value
+    return out
+
+
 def _prepare(op: OpView, rule: Rule, strategy: Strategy, mesh: MeshSpec, jax_mesh, operands, rng) -> _Prepared:
     ins, in_specs, leads = [], [], []
     for value, sharding in zip(operands, strategy.operands):
         lead = tuple(sharding.partial)
-        stacked = np.asarray(value)
+        stacked = _padded(value, sharding, mesh)
         for a in reversed(lead):  # one leading dimension per partial axis, in ``lead`` order
             stacked = _summands(stacked, mesh.axis(a).size, rng)
         spec = _spec(sharding, lead)
@@ -176,6 +201,8 @@ def _compare(prepared: _Prepared, got, expected, rtol: float, atol: float) -> Mi
     strategy = prepared.strategy
     for k, (g, e, sharding, extra) in enumerate(zip(got, expected, strategy.results, prepared.extras)):
         g = np.asarray(g)
+        if g.ndim == len(extra) + e.ndim:  # drop the padding of uneven splits
+            g = g[(slice(None),) * len(extra) + tuple(slice(0, n) for n in e.shape)]
         for a in extra:  # leading dims, one per extra axis, in mesh order; consume from the front
             if a in sharding.partial:
                 if jnp.issubdtype(g.dtype, jnp.floating):
@@ -189,7 +216,8 @@ def _compare(prepared: _Prepared, got, expected, rtol: float, atol: float) -> Mi
         if g.shape != e.shape:
             return Mismatch(strategy.describe(), k, f"shape {g.shape} != expected {e.shape}")
         if not _close(g, e, rtol, atol):
-            err = np.nanmax(np.abs(g.astype(np.float64) - e.astype(np.float64))) if g.size else 0.0
+            diff = np.abs(g.astype(np.float64) - e.astype(np.float64))
+            err = float(np.nanmax(diff)) if g.size and not np.isnan(diff).all() else float("nan") if g.size else 0.0
             return Mismatch(strategy.describe(), k, f"values differ (max abs error {err:.3g})")
     return None
 

@@ -1,0 +1,508 @@
+"""Tie repeated layers: solve one strategy per class of corresponding nodes.
+
+An unrolled model (a transformer's blocks written as a Python loop) repeats
+the same operations, on the same shapes, with the same strategies, once per
+layer. Its planning problem repeats too, and the solver spends most of its
+time re-deciding the same thing for every layer. Tying asks every node of a
+*class* of corresponding nodes (the query projection of layers 2 to 9, say)
+to take the same strategy, which shrinks the search to about one layer.
+
+**Finding the classes** (``layer_classes``) has two parts. Colour refinement
+(Weisfeiler-Lehman, ``colours``) on the problem's own graph gives each node a
+colour: first its strategy labels, node costs, memory use and pins, then, for
+``rounds`` rounds, its colour plus the sorted (edge table, neighbour colour)
+pairs of its outgoing and incoming edges. Planner problems list nodes in
+program order, so an unrolled stack is a *tandem repeat* of colours whose
+period is one layer's nodes: ``colour[i] == colour[i + p]`` over a run at
+least half a period long ties node ``i`` with node ``i + p``. The radius is
+kept small (2) on purpose: a residual stream links every layer to the next
+within two edges, so colours alone, refined further, would tell every layer
+from every other by its distance to the embedding or the loss. A node whose
+neighbourhood differs (the first layer reads the embedding) breaks the run
+and stays free. Only nodes with identical strategy lists are ever tied.
+
+**Tying** (``tie``) is done after the exact reductions of the *untied*
+problem (``shardsolve.reductions.reduce``): every surviving node of a class
+gets an equality edge to the class's first surviving member (cost 0 where the
+two take the same original strategy, forbidden elsewhere). The solver's own
+``fold_followers`` reduction then folds each member into its representative,
+so the tied problem is about one layer's size. Nodes the reductions
+eliminated are chosen optimally given their neighbours when the assignment is
+lifted, untied.
+
+**Exactness.** Tying is a restriction: the tied optimum is an upper bound of
+the untied optimum, and it may be above it (a first layer may prefer another
+strategy). The plan is only called optimal when a certified lower bound of
+the *untied* problem meets the tied solution's cost (``untied_bound``:
+TRW-S message passing, then reduced-cost pruning); otherwise it is
+``feasible`` with the true gap, and the plan's stats say that tying
+restricted the search (``tying = "restricted"``). The pruned untied search
+that closes the gap also finds untied plans that beat the tied one; the
+cheaper plan is kept.
+
+The tied problem itself is solved by TRW-S and decoding when that proves
+its optimum (planner problems have a tight LP), else by ``encodings.solve``.
+
+    >>> import numpy as np
+    >>> from shardsolve.problem import Edge, Node, Problem
+    >>> chain = Problem(tuple(Node(f"n{i}", np.array([1.0, 2.0]), np.zeros(2)) for i in range(8)),
+    ...                 tuple(Edge(i, i + 1, np.array([[0.0, 1.0], [1.0, 0.0]])) for i in range(7)))
+    >>> layer_classes(chain, rounds=1)  # the two ends (one neighbour each) differ from the middle
+    [(1, 2, 3, 4, 5, 6)]
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import numpy as np
+
+from shardsolve.problem import FORBIDDEN, Edge, Node, Problem, Solution
+from shardsolve.reductions import Reduced
+from shardsolve.encodings.bounds import trws_bound
+
+__all__ = ["DEFAULT_ROUNDS", "colours", "layer_classes", "origins", "tie", "Tied", "merge", "trws_bound", "untied_bound",
+           "solve_tied"]
+
+#: Colour refinement rounds: the radius (in edges) within which corresponding nodes look alike.
+DEFAULT_ROUNDS = 2
+#: Shortest run of matching colours that ties nodes (and at least half a period).
+MIN_RUN = 4
+#: Candidate periods tried.
+MAX_PERIODS = 8
+#: TRW-S passes on the tied problem before the full solver takes over.
+TIED_PASSES = 60
+#: Classes smaller than this are not worth an edge.
+MIN_CLASS = 2
+
+
+class _Dense:
+    """Map hashable signatures to dense integers in first-seen order (deterministic, collision-free)."""
+
+    def __init__(self) -> None:
+        self.ids: dict = {}
+
+    def __call__(self, sig) -> int:
+        got = self.ids.get(sig)
+        if got is None:
+            got = self.ids[sig] = len(self.ids)
+        return got
+
+
+def _array_key(a: np.ndarray) -> tuple:
+    a = np.ascontiguousarray(a, dtype=np.float64)
+    return (a.shape, a.tobytes())
+
+
+def colours(problem: Problem, rounds: int = DEFAULT_ROUNDS, exclude: Sequence[int] = ()) -> np.ndarray:
+    """Colour refinement: equal colours = the problem looks the same from both nodes up to ``rounds`` edges away.
+
+    A node's first colour is its strategy labels, node costs, usages and pins;
+    each round adds the sorted (edge table, neighbour colour) pairs of its
+    outgoing and incoming edges. ``exclude``d nodes get colours of their own.
+    """
+    n = len(problem.nodes)
+    pins: dict[int, tuple] = {}
+    for pin in problem.pins:
+        pins[pin.node] = pins.get(pin.node, ()) + (tuple(sorted(pin.allowed)),)
+    excluded = set(int(i) for i in exclude)
+    dense = _Dense()
+    colour = np.empty(n, dtype=np.int64)
+    for i, node in enumerate(problem.nodes):
+        if i in excluded:
+            colour[i] = dense(("excluded", i))
+        else:
+            colour[i] = dense((node.labels, _array_key(node.costs), _array_key(node.usages), pins.get(i, ())))
+    table_ids = _Dense()
+    by_object: dict[int, int] = {}
+    out_adj: list[list[tuple[int, int]]] = [[] for _ in range(n)]  # (edge signature, neighbour)
+    in_adj: list[list[tuple[int, int]]] = [[] for _ in range(n)]
+    for e in problem.edges:
+        sig = by_object.get(id(e.costs))
+        if sig is None:  # tables are often shared objects: key each distinct one once
+            sig = by_object[id(e.costs)] = table_ids(_array_key(e.costs))
+        out_adj[e.u].append((sig, e.v))
+        in_adj[e.v].append((sig, e.u))
+    for _ in range(rounds):
+        dense = _Dense()
+        c = colour.tolist()
+        colour = np.array([
+            dense((c[i], tuple(sorted((s, c[j]) for s, j in out_adj[i])),
+                   tuple(sorted((s, c[j]) for s, j in in_adj[i]))))
+            for i in range(n)
+        ], dtype=np.int64)
+    return colour
+
+
+def _runs(mask: np.ndarray) -> list[tuple[int, int]]:
+    """(start, length) of every run of True in ``mask``."""
+    padded = np.concatenate([[False], mask, [False]]).astype(np.int8)
+    d = np.diff(padded)
+    starts, ends = np.flatnonzero(d == 1), np.flatnonzero(d == -1)
+    return list(zip(starts.tolist(), (ends - starts).tolist()))
+
+
+def layer_classes(
+    problem: Problem,
+    rounds: int = DEFAULT_ROUNDS,
+    exclude: Sequence[int] = (),
+    max_periods: int = MAX_PERIODS,
+) -> list[tuple[int, ...]]:
+    """Classes (sorted tuples of node indices, at least two each) of nodes that correspond.
+
+    Nodes are taken in problem order, which for planner problems is program
+    order: an unrolled stack of layers is then a *tandem repeat* of colours
+    (``colours``) with a period of one layer's nodes. For each candidate
+    period ``p`` (the commonest distances between equal colours) the runs
+    where ``colour[i] == colour[i + p]`` for at least half a period tie ``i``
+    with ``i + p``; periods are taken by coverage, each node by the first that
+    covers it. Short lookalikes (the two layer norms of one block) repeat at
+    a distance much longer than themselves and are left alone.
+    """
+    n = len(problem.nodes)
+    if n < 2 * MIN_RUN:
+        return []
+    colour = colours(problem, rounds, exclude)
+    excluded = np.zeros(n, dtype=bool)
+    excluded[list(exclude)] = True
+    # Candidate periods: distances between consecutive equal colours.
+    last: dict[int, int] = {}
+    gaps: dict[int, int] = {}
+    for i, c in enumerate(colour.tolist()):
+        j = last.get(c)
+        if j is not None:
+            gaps[i - j] = gaps.get(i - j, 0) + 1
+        last[c] = i
+    candidates = sorted(gaps, key=lambda p: (-gaps[p], p))[:max_periods]
+    scored = []
+    for p in candidates:
+        same = (colour[:-p] == colour[p:]) & ~excluded[:-p] & ~excluded[p:]
+        runs = [(s, k) for s, k in _runs(same) if k >= max(MIN_RUN, p // 2)]
+        cover = sum(k for _, k in runs)
+        if cover:
+            scored.append((-cover, p, runs))
+    parent = np.arange(n)
+
+    def find(x: int) -> int:
+        while parent[x] != x:
+            parent[x] = parent[parent[x]]
+            x = parent[x]
+        return int(x)
+
+    covered = np.zeros(n, dtype=bool)
+    for _, p, runs in sorted(scored):
+        fresh = []
+        for s, k in runs:
+            idx = np.arange(s, s + k)
+            idx = idx[~covered[idx] | ~covered[idx + p]]
+            fresh.append(idx)
+        for idx in fresh:
+            for i in idx.tolist():
+                a, b = find(i), find(i + p)
+                if a != b:
+                    parent[max(a, b)] = min(a, b)
+            covered[idx] = True
+            covered[idx + p] = True
+    members: dict[int, list[int]] = {}
+    for i in range(n):
+        members.setdefault(find(i), []).append(i)
+    return sorted(tuple(m) for m in members.values() if len(m) >= MIN_CLASS)
+
+
+def origins(reduced: Reduced) -> tuple[np.ndarray, tuple[np.ndarray, ...]]:
+    """For each node of the reduced problem: its original node, and its strategies' original indices."""
+    node = np.arange(len(reduced.problem.nodes), dtype=np.int64)
+    smaps = [np.arange(n.num_strategies, dtype=np.int64) for n in reduced.problem.nodes]
+    for step in reversed(reduced.steps):
+        smaps = [step.strategy_maps[j][s] for j, s in zip(node, smaps)]
+        node = step.node_map[node]
+    return node, tuple(smaps)
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Tied:
+    """The reduced problem with tie edges, and what it took."""
+
+    problem: Problem  # the reduced untied problem plus one equality edge per tied node
+    classes: int  # classes with at least two surviving members
+    tied_nodes: int  # surviving nodes tied to a representative
+    stats: dict = field(default_factory=dict)
+    # (representative, member, f): the member takes strategy f[a] when the representative takes a (-1: none)
+    pairs: tuple[tuple[int, int, np.ndarray], ...] = ()
+
+
+def tie(reduced: Reduced, classes: Sequence[Sequence[int]]) -> Tied:
+    """Add an equality edge from every surviving member of each class to its first surviving member."""
+    problem = reduced.problem
+    orig, smaps = origins(reduced)
+    where = {int(o): j for j, o in enumerate(orig.tolist())}
+    edges = list(problem.edges)
+    pairs = []
+    used = 0
+    tied = 0
+    for cls in classes:
+        alive = [where[i] for i in cls if i in where and problem.nodes[where[i]].num_strategies > 1]
+        if len(alive) < 2:
+            continue
+        used += 1
+        rep = alive[0]
+        for j in alive[1:]:
+            same = smaps[rep][:, None] == smaps[j][None, :]
+            if not same.any(axis=1).any():
+                continue  # no strategy in common after the reductions: leave it free
+            edges.append(Edge(rep, j, np.where(same, 0.0, FORBIDDEN)))
+            pairs.append((rep, j, np.where(same.any(axis=1), np.argmax(same, axis=1), -1).astype(np.int64)))
+            tied += 1
+    tied_problem = Problem(problem.nodes, tuple(edges), problem.usage_limit, problem.pins, problem.name)
+    return Tied(tied_problem, used, tied, {"tie_classes": used, "tied_nodes": tied}, tuple(pairs))
+
+
+def merge(problem: Problem, pairs: Sequence[tuple[int, int, np.ndarray]]) -> tuple[Problem, Callable]:
+    """Fold every tied member into its representative: the tie edges' effect, without them.
+
+    ``problem`` is the reduced untied problem (no tie edges) and ``pairs`` the
+    ``Tied.pairs``. A representative's node costs gain its members' costs
+    (forbidden where a member lacks the strategy), members' edges move onto
+    the representatives of both ends, and an edge inside one class becomes
+    node cost (its diagonal under the correspondence). Memory is not merged:
+    only for problems without a usage limit. Returns the merged problem and
+    a function lifting its assignments to ``problem``'s.
+    """
+    n = len(problem.nodes)
+    leader = np.arange(n)
+    fmap: list[np.ndarray | None] = [None] * n
+    for rep, j, f in pairs:
+        leader[j] = rep
+        fmap[j] = f
+    reps = [i for i in range(n) if leader[i] == i]
+    index = np.full(n, -1, dtype=np.int64)
+    index[reps] = np.arange(len(reps))
+    costs = [np.asarray(problem.nodes[i].costs, dtype=np.float64).copy() for i in reps]
+
+    def rows(i: int, table: np.ndarray) -> np.ndarray:
+        """``table`` with ``i``'s strategies as rows, re-indexed by its representative's strategies."""
+        f = fmap[i]
+        if f is None:
+            return table
+        return np.where((f >= 0)[:, None], table[np.maximum(f, 0)], FORBIDDEN)
+
+    for j in range(n):
+        f = fmap[j]
+        if f is not None:
+            c = problem.nodes[j].costs
+            costs[index[leader[j]]] += np.where(f >= 0, c[np.maximum(f, 0)], FORBIDDEN)
+    edges: dict[tuple[int, int], np.ndarray] = {}
+    for e in problem.edges:
+        t = rows(e.v, rows(e.u, e.costs).T).T  # rows by u's representative, columns by v's
+        a, b = int(index[leader[e.u]]), int(index[leader[e.v]])
+        if a == b:
+            costs[a] += np.diag(t)
+            continue
+        if a > b:
+            a, b, t = b, a, t.T
+        edges[(a, b)] = edges[(a, b)] + t if (a, b) in edges else t
+    nodes = tuple(
+        Node(problem.nodes[i].name, np.minimum(c, FORBIDDEN), problem.nodes[i].usages, problem.nodes[i].interval,
+             problem.nodes[i].labels)
+        for i, c in zip(reps, costs)
+    )
+    merged = Problem(nodes, tuple(Edge(a, b, np.minimum(t, FORBIDDEN)) for (a, b), t in sorted(edges.items())),
+                     None, (), problem.name)
+
+    def lift(assignment: Sequence[int]) -> tuple[int, ...]:
+        x = np.asarray(assignment, dtype=np.int64)[index[leader]]
+        for j in range(n):
+            if fmap[j] is not None:
+                x[j] = fmap[j][x[j]]
+        return tuple(int(s) for s in x)
+
+    return merged, lift
+
+
+def untied_bound(
+    reduced: Reduced, upper: float, *, passes: int = 60, time_limit: float = 10.0, seed: int = 0
+) -> tuple[float, str, tuple[int, ...] | None]:
+    """A certified lower bound of the untied problem, given the cost ``upper`` of one of its assignments.
+
+    1. ``trws_bound`` on the untied reduced problem (memory relaxed), stopping
+       once it meets ``upper``.
+    2. If it falls short, reduced-cost pruning: the reparametrised costs
+       write every assignment's cost as the bound plus non-negative terms, so
+       an entry whose term alone exceeds ``upper - bound`` is in no
+       assignment cheaper than ``upper`` and is forbidden. The pruned problem
+       (memory kept) is solved; its certified bound, capped at ``upper``,
+       bounds the untied optimum. Near the optimum most entries go, so this
+       is quick.
+
+    Returns (bound, how, better): how is ``"trws"`` or ``"trws+pruned"``;
+    ``better`` is an assignment of the reduced problem cheaper than ``upper``
+    that the pruned search found (an untied plan that beats the tied one), or
+    None.
+    """
+    from shardsolve.encodings import heuristics, solve
+    from shardsolve.errors import InfeasibleError
+
+    flat = heuristics.flatten(reduced.problem)
+    offset = reduced.offset
+    if flat.n == 0:
+        return offset, "trws", None
+    ub = upper - offset
+    tol = 1e-9 * max(abs(ub), 1e-300)  # "meets": as ``encodings.solve`` calls a bound optimal
+    margin = 1e-10 * max(abs(ub), 1e-300)  # floating-point error of the reparametrised sums
+    lb, node_terms, edge_terms = trws_bound(flat, passes, target=ub - tol + margin)
+    lb -= margin
+    if lb >= ub - tol:
+        return upper, "trws", None
+    slack = (ub - lb) + 1e-7 * abs(ub)
+    problem = reduced.problem
+    nodes = tuple(
+        type(node)(node.name, np.where(t - t.min() > slack, FORBIDDEN, node.costs), node.usages, node.interval,
+                   node.labels)
+        for node, t in zip(problem.nodes, node_terms)
+    )
+    edges = tuple(
+        Edge(e.u, e.v, np.where(t - t.min() > slack, FORBIDDEN, e.costs)) for e, t in zip(problem.edges, edge_terms)
+    )
+    pruned = Problem(nodes, edges, problem.usage_limit, problem.pins, problem.name)
+    try:
+        sol = solve(pruned, time_limit=time_limit, seed=seed)
+    except InfeasibleError:
+        return upper, "trws+pruned", None  # no assignment is cheaper than ``upper``
+    if sol.status == "infeasible":
+        return upper, "trws+pruned", None
+    better = sol.assignment if sol.assignment and sol.cost < ub - tol else None
+    if not math.isfinite(sol.lower_bound):
+        return lb + offset, "trws", better
+    return min(upper, max(lb, sol.lower_bound) + offset), "trws+pruned", better
+
+
+def _solve_tied_problem(problem: Problem, time_limit, seed: int, progress) -> Solution | None:
+    """The tied (merged) problem: exact reductions, then TRW-S decoding, else the full solver.
+
+    Planner problems have a tight LP, so TRW-S usually reaches the tied
+    optimum in a few passes (checked by its own bound: ``optimal`` when they
+    meet); otherwise, or under a memory limit, ``encodings.solve`` searches.
+    """
+    from shardsolve.encodings import heuristics, solve
+    from shardsolve.errors import InfeasibleError
+    from shardsolve.reductions import reduce
+
+    started = time.perf_counter()
+    if problem.usage_limit is None:
+        try:
+            folded = reduce(problem)
+        except InfeasibleError:
+            return None
+        flat = heuristics.flatten(folded.problem)
+        decoded: list = []
+        bound, _, _ = trws_bound(flat, passes=TIED_PASSES, decoded=decoded)
+        x = heuristics.icm(flat, decoded[0], sweeps=3) if flat.n else decoded[0]
+        cost = heuristics.evaluate(flat, x)
+        stats = dict(folded.stats)
+        stats["method"] = "trws"
+        if math.isfinite(cost) and bound >= cost - 1e-9 * abs(cost):
+            stats["wall_s"] = round(time.perf_counter() - started, 3)
+            lifted = folded.lift(x)
+            return Solution(lifted, problem.evaluate(lifted), cost + folded.offset, "optimal",
+                            time.perf_counter() - started, (), stats)
+    inner = solve(problem, time_limit=time_limit, seed=seed, progress=progress)
+    if inner.status not in ("optimal", "feasible") or not inner.assignment:
+        return None
+    return inner
+
+
+def solve_tied(
+    problem: Problem,
+    *,
+    time_limit: float | None = None,
+    seed: int = 0,
+    progress=None,
+    rounds: int = DEFAULT_ROUNDS,
+) -> Solution | None:
+    """Solve ``problem`` with its repeated layers tied; ``None`` when there is nothing to tie.
+
+    The returned assignment is one of the *untied* problem, its ``cost`` is
+    ``problem.evaluate`` of it, and its ``lower_bound`` a certified bound of
+    the untied problem: ``status`` is ``"optimal"`` only when the two meet.
+    ``stats`` gain ``tie_classes``, ``tied_nodes``, ``tied_decisions`` (decision
+    nodes of the tied problem after the solver's reductions), ``tie_bound``
+    (how the untied bound was obtained), ``tied_cost`` and ``tying``:
+    ``"exact"`` when the bound proves the tied plan optimal, else
+    ``"restricted"``: either the untied search around the bound found a
+    cheaper, untied plan (returned instead, with its own status), or the
+    search stayed restricted to tied plans and the gap is the true,
+    certified one.
+    ``None`` also when the tied problem has no solution (say a memory limit
+    that only an untied plan meets): the caller then solves untied.
+    """
+    from shardsolve.encodings import solve
+    from shardsolve.errors import InfeasibleError
+    from shardsolve.reductions import reduce
+
+    started = time.perf_counter()
+    classes = layer_classes(problem, rounds)
+    if not classes:
+        return None
+    find_s = time.perf_counter() - started
+    try:
+        reduced = reduce(problem)
+    except InfeasibleError:
+        return None
+    reduce_s = time.perf_counter() - started - find_s
+    tied = tie(reduced, classes)
+    if tied.tied_nodes == 0:
+        return None
+    if problem.usage_limit is None:  # fold the ties directly (the solver's reductions would, more slowly)
+        merged, lift_merged = merge(reduced.problem, tied.pairs)
+        inner = _solve_tied_problem(merged, time_limit, seed, progress)
+        if inner is None:
+            return None
+        assignment = reduced.lift(lift_merged(inner.assignment))
+    else:  # memory differs between layers: keep the tie edges, the solver folds what memory allows
+        inner = _solve_tied_problem(tied.problem, time_limit, seed, progress)
+        if inner is None:
+            return None
+        assignment = reduced.lift(inner.assignment)
+    cost = problem.evaluate(assignment)
+    if not math.isfinite(cost):
+        return None
+    tied_cost = cost
+    bound_started = time.perf_counter()
+    bound, how, better = untied_bound(reduced, cost, seed=seed,
+                                      time_limit=10.0 if time_limit is None else min(10.0, float(time_limit)))
+    improved = False
+    if better is not None:  # the pruned untied search beat the tied plan: tying was a restriction
+        candidate = reduced.lift(better)
+        c = problem.evaluate(candidate)
+        if c < cost:
+            assignment, cost, improved = candidate, c, True
+    bound = min(bound, cost)
+    exact = bound >= cost - 1e-9 * abs(cost)
+    inner_stats = dict(inner.stats or {})
+    stats = dict(reduced.stats)  # the untied problem's sizes before and after the exact reductions
+    stats["reduce_s"] = round(reduce_s, 3)
+    stats.update({f"tied_{k}": v for k, v in inner_stats.items() if not k.endswith("_before")})
+    stats.update(tied.stats)
+    stats.update(
+        {
+            "tied_decisions": int(inner_stats.get("decisions_after", 0)),
+            "tied_status": inner.status,
+            "tie_bound": how,
+            "tying": "restricted" if improved or not exact else "exact",
+            "tied_cost": tied_cost,
+            "tie_find_s": round(find_s, 3),
+            "tie_bound_s": round(time.perf_counter() - bound_started, 3),
+        }
+    )
+    return Solution(
+        tuple(int(s) for s in assignment),
+        cost,
+        cost if exact else bound,
+        "optimal" if exact else "feasible",
+        time.perf_counter() - started,
+        (),
+        stats,
+    )
