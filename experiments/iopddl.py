@@ -158,8 +158,11 @@ def stages(rows: list[dict]) -> str:
 
 
 NOTES = """
-Notes. Where the LP fits (B, G) it gives the bound, and its rounding the start: both are proven
-optimal. Where it does not (V has 631k pair variables, K, P and S far more), the certified bound is
+Notes. Where the LP fits (B, G) its rounding gives the start, and both are proven optimal (B: the
+LP optimum is integral and its rounding costs the LP value; G: CP-SAT on the whole model from that
+start). The "LP bound" column is the LP value less its certified error margin (HiGHS's tolerance,
+relative to the largest cost range, which is wide on B and G), so it sits well below the optimum
+there. Where the LP does not fit (V has 631k pair variables, K, P and S far more), the certified bound is
 TRW-S message passing with memory relaxed, run for a share (12%) of the budget: the distance from
 it to the cost is an upper limit on how far from optimal the plan is, not a measured distance, and
 part of it is the memory constraint the bound ignores. On V (up to 5,000 nodes) the warm starts

@@ -12,7 +12,9 @@ bottleneck.
     python experiments/scaling.py --layers 12 --time-limit 60
     python experiments/scaling.py --layers 12 --no-tie  # every layer searched on its own
 
-Writes experiments/results/scaling.md.
+Writes experiments/results/scaling.md: the rows of the depths measured in this run
+replace those rows of the file, other rows are kept (each row says the load average
+of its run); text below the ``<!-- notes -->`` line is kept as it is.
 """
 
 from __future__ import annotations
@@ -72,6 +74,32 @@ class _null:
         return False
 
 
+COLUMNS = ["layers", "ops", "nodes", "after reductions", "after tying", "trace+build s", "solve s", "plan s",
+           "JAX compile s", "plan / compile", "status", "gap", "tying", "load"]
+NOTES_MARK = "<!-- notes -->"
+
+
+def read_results(path: Path) -> tuple[list[list[str]], str]:
+    """The table rows (in ``COLUMNS`` order; a missing column is ``?``) and the text after ``NOTES_MARK``."""
+    if not path.exists():
+        return [], ""
+    text = path.read_text()
+    header: list[str] | None = None
+    rows = []
+    for line in text.splitlines():
+        if not line.startswith("|") or line.startswith("|---"):
+            continue
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if header is None:
+            header = cells
+            continue
+        row = dict(zip(header, cells))
+        if row.get("layers", "").isdigit():
+            rows.append([row.get(c, "?") for c in COLUMNS])
+    notes = text.split(NOTES_MARK, 1)[1].lstrip("\n") if NOTES_MARK in text else ""
+    return rows, notes
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, nargs="+", default=[12, 24, 48, 96])
@@ -85,8 +113,7 @@ def main(argv=None) -> int:
     gpt2 = load_gpt2_module()
     mesh = MeshSpec.parse(args.mesh)
     table = Table(title=f"GPT-2 training step on {mesh}: planning vs JAX compile")
-    cols = ["layers", "ops", "nodes", "after reductions", "after tying", "trace+build s", "solve s", "plan s",
-            "JAX compile s", "plan / compile", "status", "gap", "tying"]
+    cols = COLUMNS
     for c in cols:
         table.add_column(c, justify="right")
     rows = []
@@ -108,17 +135,23 @@ def main(argv=None) -> int:
             str(stats.get("tied_decisions", "-")),
             f"{total - plan.solve_time:.1f}", f"{plan.solve_time:.1f}", f"{total:.1f}",
             f"{compile_s:.1f}", f"{total / compile_s:.2f}" if compile_s == compile_s else "-",
-            plan.status, f"{plan.gap:.3%}", tying,
+            plan.status, f"{plan.gap:.3%}", tying, "",
         ]
         rows.append(row)
         table.add_row(*row)
         console.print(f"{n} layers: plan {total:.1f} s, compile {compile_s:.1f} s, {plan.status}, gap {plan.gap:.3%}")
+    load = f"{load_start:.1f} / {os.getloadavg()[0]:.1f}"
+    for r in rows:
+        r[-1] = load
     console.print(table)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
+    old_rows, notes = read_results(out)
+    merged = {r[0]: r for r in old_rows}
+    merged.update({r[0]: r for r in rows})
     lines = [f"# Planning time vs JAX compile time (GPT-2 training step, mesh {mesh})", "",
              "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    lines += ["| " + " | ".join(merged[k]) + " |" for k in sorted(merged, key=lambda k: int(k))]
     lines += [
         "",
         "`nodes`: problem nodes; `after reductions`: decision nodes left by the exact reductions;",
@@ -128,12 +161,13 @@ def main(argv=None) -> int:
         "the same function with the same batch annotation, measured first in the same process;",
         "`status`/`gap`: for the *untied* problem (`optimal` only when a certified bound of the",
         "untied problem meets the plan's cost); `tying`: `exact` when that bound proves the tied",
-        "plan optimal, `restricted` otherwise, with how the bound was obtained.",
+        "plan optimal, `restricted` otherwise, with how the bound was obtained; `load`: load average",
+        "(1 min) of the shared 2-core machine at the start / end of the run that measured the row",
+        "(rows of other depths are kept from earlier runs); wall-clock times are noisy.",
         "",
-        f"Load average (1 min) of the shared 2-core machine: {load_start:.1f} at the start, "
-        f"{os.getloadavg()[0]:.1f} at the end; wall-clock times are noisy.",
+        NOTES_MARK,
     ]
-    out.write_text("\n".join(lines) + "\n")
+    out.write_text("\n".join(lines) + "\n" + notes)
     console.print(f"written to {out}")
     return 0
 

@@ -133,7 +133,7 @@ def add_model_arguments(p: argparse.ArgumentParser, *, annotations_help: str, me
     p.add_argument("--size", default="small", choices=("small", "large"), help="model size (default: small)")
     p.add_argument("--annotations", default="default", choices=("default", "expert", "none"), help=annotations_help)
     p.add_argument("--memory-limit", help=memory_help)
-    p.add_argument("--time-limit", type=float, help="solver time limit in seconds (default: until optimal)")
+    p.add_argument("--time-limit", type=float, help="solver time limit in seconds (default: 30; stops sooner when proven optimal)")
 
 
 def build_parser() -> argparse.ArgumentParser:

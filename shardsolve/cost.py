@@ -333,7 +333,9 @@ def _template_entry(shape: tuple[int, ...], src: Sharding, dst: Sharding, mesh: 
     return entry
 
 
-def _steps_from(tpl: tuple | None, shape: tuple[int, ...], itemsize: int, mesh: MeshSpec) -> tuple[ReshardStep, ...] | None:
+def _steps_from(
+    tpl: tuple | None, shape: tuple[int, ...], itemsize: int, mesh: MeshSpec
+) -> tuple[ReshardStep, ...] | None:
     if tpl is None:
         return None
     return tuple(ReshardStep(kind, axes, _spec_bytes(spec, shape, itemsize, mesh), before, after, dim, concat)

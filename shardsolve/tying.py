@@ -34,7 +34,7 @@ lifted, untied.
 the untied optimum, and it may be above it (a first layer may prefer another
 strategy). The plan is only called optimal when a certified lower bound of
 the *untied* problem meets the tied solution's cost (``untied_bound``:
-TRW-S message passing, then reduced-cost pruning); otherwise it is
+TRW-S message passing, ``encodings.bounds.trws_bound``, then reduced-cost pruning); otherwise it is
 ``feasible`` with the true gap, and the plan's stats say that tying
 restricted the search (``tying = "restricted"``). The pruned untied search
 that closes the gap also finds untied plans that beat the tied one; the
