@@ -51,6 +51,7 @@ import numpy as np
 from ortools.sat.python import cp_model
 
 from shardsolve.encodings.heuristics import CHARGE_PER_ITEM, Flat, evaluate, excess_costs, neighbourhood, profile, prune, subproblem
+from shardsolve.reductions import component_labels
 
 __all__ = ["CpSatResult", "CpSatEncoding", "solve_cpsat", "solve_neighbourhood", "reduce_table", "lns",
            "forbidden_components", "violated_edges", "repair_forbidden", "component_descent"]
@@ -508,12 +509,8 @@ def forbidden_components(flat: Flat) -> np.ndarray:
     Forbidden pairs only couple nodes within one such component, so a
     component can be made consistent on its own with every other node held.
     """
-    from scipy.sparse import coo_matrix
-    from scipy.sparse.csgraph import connected_components
-
     forb = np.array([not np.isfinite(t).all() for t in flat.tables], dtype=bool)
-    graph = coo_matrix((np.ones(int(forb.sum())), (flat.eu[forb], flat.ev[forb])), shape=(flat.n, flat.n))
-    return connected_components(graph, directed=False)[1]
+    return component_labels(flat.n, flat.eu[forb], flat.ev[forb])
 
 
 def violated_edges(flat: Flat, x: np.ndarray) -> np.ndarray:

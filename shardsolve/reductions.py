@@ -618,6 +618,19 @@ def fold_and_eliminate(problem: Problem) -> tuple[Problem, Step]:
     return work.build()
 
 
+def component_labels(n: int, u, v) -> np.ndarray:
+    """Per node of ``0..n-1``, its connected component under the pairs ``(u[k], v[k])``.
+
+    Components are numbered in order of their lowest node.
+    """
+    from scipy.sparse import coo_matrix
+    from scipy.sparse.csgraph import connected_components
+
+    u, v = np.asarray(u, dtype=np.int64), np.asarray(v, dtype=np.int64)
+    graph = coo_matrix((np.ones(len(u)), (u, v)), shape=(n, n))
+    return connected_components(graph, directed=False)[1]
+
+
 def split_components(problem: Problem) -> list[tuple[Problem, np.ndarray]]:
     """Independent sub-problems and, for each, the indices of its nodes in ``problem``.
 
@@ -625,31 +638,17 @@ def split_components(problem: Problem) -> list[tuple[Problem, np.ndarray]]:
     whose intervals overlap share one usage constraint.
     """
     n = len(problem.nodes)
-    parent = np.arange(n)
-
-    def find(x: int) -> int:
-        while parent[x] != x:
-            parent[x] = parent[parent[x]]
-            x = parent[x]
-        return int(x)
-
-    def union(a: int, b: int) -> None:
-        ra, rb = find(a), find(b)
-        if ra != rb:
-            parent[max(ra, rb)] = min(ra, rb)
-
-    for e in problem.edges:
-        union(e.u, e.v)
+    pairs = [(e.u, e.v) for e in problem.edges]
     matters = memory_matters(problem)
     live = sorted((problem.nodes[i].interval[0], problem.nodes[i].interval[1], i) for i in np.flatnonzero(matters))
     # overlapping intervals: sweep, joining each interval to the one reaching furthest so far
     reach_end, reach_node = -1, -1
     for s, e, i in live:
         if s < reach_end:
-            union(reach_node, i)
+            pairs.append((reach_node, i))
         if e > reach_end:
             reach_end, reach_node = e, i
-    roots = np.array([find(i) for i in range(n)])
+    roots = component_labels(n, [a for a, _ in pairs], [b for _, b in pairs])
     out = []
     for r in np.unique(roots):
         idx = np.flatnonzero(roots == r)

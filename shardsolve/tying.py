@@ -61,7 +61,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from shardsolve.problem import FORBIDDEN, Edge, Node, Problem, Solution
-from shardsolve.reductions import Reduced
+from shardsolve.reductions import Reduced, component_labels
 from shardsolve.encodings.bounds import trws_bound
 
 __all__ = ["DEFAULT_ROUNDS", "colours", "layer_classes", "origins", "tie", "Tied", "merge", "trws_bound", "untied_bound",
@@ -184,15 +184,9 @@ def layer_classes(
         cover = sum(k for _, k in runs)
         if cover:
             scored.append((-cover, p, runs))
-    parent = np.arange(n)
-
-    def find(x: int) -> int:
-        while parent[x] != x:
-            parent[x] = parent[parent[x]]
-            x = parent[x]
-        return int(x)
-
     covered = np.zeros(n, dtype=bool)
+    tie_u: list[np.ndarray] = []
+    tie_v: list[np.ndarray] = []
     for _, p, runs in sorted(scored):
         fresh = []
         for s, k in runs:
@@ -200,15 +194,15 @@ def layer_classes(
             idx = idx[~covered[idx] | ~covered[idx + p]]
             fresh.append(idx)
         for idx in fresh:
-            for i in idx.tolist():
-                a, b = find(i), find(i + p)
-                if a != b:
-                    parent[max(a, b)] = min(a, b)
+            tie_u.append(idx)
+            tie_v.append(idx + p)
             covered[idx] = True
             covered[idx + p] = True
+    empty = np.zeros(0, dtype=np.int64)
+    labels = component_labels(n, np.concatenate(tie_u or [empty]), np.concatenate(tie_v or [empty]))
     members: dict[int, list[int]] = {}
-    for i in range(n):
-        members.setdefault(find(i), []).append(i)
+    for i, label in enumerate(labels.tolist()):
+        members.setdefault(label, []).append(i)
     return sorted(tuple(m) for m in members.values() if len(m) >= MIN_CLASS)
 
 
