@@ -52,7 +52,7 @@ def jax_compile_seconds(model, mesh: MeshSpec) -> float:
     """Seconds for jax.jit(...).lower(...).compile() with the model's own annotations (Shardy)."""
     jmesh = mesh.jax_mesh()
     leaves, tree = jax.tree_util.tree_flatten(model.args)
-    from shardsolve.planner import broadcast_annotations
+    from shardsolve.annotations import broadcast_annotations
 
     anns = broadcast_annotations(model.in_shardings, tree, "in_shardings")
     args = [

@@ -38,17 +38,17 @@ def model_cases(spec: str, int_high: int) -> list[Case]:
     import jax
 
     import shardsolve
-    from shardsolve.rules import _cache_key
-    from shardsolve.rules.validate import _walk, op_view
+    from shardsolve.rules import rule_key
+    from shardsolve.rules.validate import equations, op_view
 
     model = shardsolve.load_model(spec, "small")
     jaxpr = jax.make_jaxpr(model.fun)(*model.args).jaxpr
     seen: set = set()
     out = []
-    for eqn in _walk(jaxpr):
+    for eqn in equations(jaxpr):
         if eqn.primitive.name in ("jit", "pjit", "closed_call", "custom_jvp_call", "custom_vjp_call", "scan", "while", "cond"):
             continue
-        key = _cache_key(op_view(eqn)) or id(eqn)
+        key = rule_key(op_view(eqn)) or id(eqn)
         if key in seen:
             continue
         seen.add(key)

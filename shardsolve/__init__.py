@@ -19,12 +19,12 @@ from shardsolve.plan import Cost, OpPlan, Plan, PredictedCollective, load_plan
 from shardsolve.sharding import Sharding
 from shardsolve.lower import lower
 from shardsolve.verify import VerifyReport, verify
+from shardsolve.version import __version__
 
 # Bound last: the function ``shardsolve.plan`` shadows the module ``shardsolve.plan``
 # as an attribute (import from the module with ``from shardsolve.plan import ...``).
 from shardsolve.planner import plan  # noqa: E402
 
-__version__ = "0.1.0"
 
 __all__ = [
     "Comparison",

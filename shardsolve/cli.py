@@ -71,7 +71,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def print_plan(plan, console: Console, top: int = 10) -> None:
-    from shardsolve.planner import format_bytes
+    from shardsolve.units import format_bytes
 
     graph = plan.graph
     summary = Table(title="plan", show_header=False, box=None)

@@ -118,7 +118,7 @@ def _ms(seconds: float) -> str:
 
 def print_comparison(cmp, console: Console, title: str = "comparison") -> None:
     """One column per program; rows: step time and its parts, communication by kind, memory, fits."""
-    from shardsolve.planner import format_bytes
+    from shardsolve.units import format_bytes
 
     table = Table(title=title)
     table.add_column("", style="bold")

@@ -122,7 +122,7 @@ def print_report(report, console, *, title: str = "", top: int = 20) -> None:
     from rich.markup import escape
     from rich.table import Table
 
-    from shardsolve.planner import format_bytes
+    from shardsolve.units import format_bytes
 
     verdict = "[green]ok[/green]" if report.ok else "[red]MISMATCH[/red]"
     console.print(f"verify {escape(title)} on mesh {report.mesh}: {verdict}")

@@ -19,7 +19,7 @@ collectives from the optimized HLO (``shardsolve.hlo``). Then the one cost model
 (``shardsolve.cost``) prices every column alike::
 
     compute        = cost.compute_time(flops, bytes_accessed, mesh)
-    communication  = sum(cost.collective_time(c.kind, c.axes, c.bytes, mesh) for c in collectives)
+    communication  = cost.communication_time(collectives, mesh)   # cost.hlo_collective_time of each
     step time      = compute + communication
     fits           = peak_memory <= memory_limit
 
@@ -52,9 +52,12 @@ from collections import Counter
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterator, Sequence
 
-from shardsolve.cost import collective_time, compute_time
+from shardsolve.annotations import argument_pins, broadcast_annotations, output_pins
+from shardsolve.cost import communication_time, compute_time
 from shardsolve.errors import ShardsolveError
-from shardsolve.mesh import MeshAxis, MeshSpec, as_mesh_spec
+from shardsolve.mesh import MeshSpec, as_mesh_spec
+from shardsolve.planner import plan as make_plan
+from shardsolve.units import parse_memory_limit
 
 COLUMNS = ("gspmd", "shardy", "shardsolve", "expert")
 PROPAGATION = ("gspmd", "shardy")
@@ -240,54 +243,6 @@ def _memory(compiled) -> Memory:
     )
 
 
-def communication_time(collectives: Sequence, mesh: MeshSpec) -> float:
-    """Seconds of the given collectives under the cost model (``hlo.HloCollective`` or predicted ones)."""
-    return sum(hlo_collective_time(c, mesh) for c in collectives)
-
-
-def hlo_collective_time(c, mesh: MeshSpec) -> float:
-    """``cost.collective_time`` of one parsed collective.
-
-    ``shardsolve.hlo`` names groups that span part of an axis Shardy-style
-    (``"model:(1)2"``) and irregular groups ``"?"``; those are priced as an axis
-    of the group's size with the links of the axis they lie in (for ``"?"``,
-    the slowest link of the mesh and the latency of all axes).
-    """
-    axes = tuple(c.axes)
-    if all(a in mesh.names for a in axes):
-        return collective_time(c.kind, axes, c.bytes, mesh)
-    extra: list[MeshAxis] = []
-    names: list[str] = []
-    for k, a in enumerate(axes):
-        if a in mesh.names:
-            names.append(a)
-            continue
-        m = re.fullmatch(r"([A-Za-z_][A-Za-z0-9_]*):\((\d+)\)(\d+)", a)
-        if m and m.group(1) in mesh.names:
-            base = mesh.axis(m.group(1))
-            extra.append(MeshAxis(f"_sub{k}", int(m.group(3)), base.bandwidth, base.latency))
-        else:
-            size = _irregular_group_size(c, mesh)
-            extra.append(
-                MeshAxis(f"_irregular{k}", size, min(x.bandwidth for x in mesh.axes), sum(x.latency for x in mesh.axes))
-            )
-        names.append(extra[-1].name)
-    priced = MeshSpec(mesh.axes + tuple(extra), peak_flops=mesh.peak_flops, hbm_bandwidth=mesh.hbm_bandwidth)
-    return collective_time(c.kind, tuple(names), c.bytes, priced)
-
-
-def _irregular_group_size(c, mesh: MeshSpec) -> int:
-    from shardsolve.hlo import parse_replica_groups
-
-    if c.kind == "collective-permute":
-        return 2
-    try:
-        groups = parse_replica_groups(c.groups, mesh.size)
-        return max(1, max(len(g) for g in groups))
-    except (ValueError, IndexError, AttributeError):
-        return mesh.size
-
-
 def judge(
     name: str,
     compiled,
@@ -406,29 +361,23 @@ def shardy_propagation() -> Iterator[None]:
 
 
 def concrete_mesh(mesh: Any, spec: MeshSpec):
-    """A ``jax.sharding.Mesh`` with real devices for ``spec`` (or the user's own ``Mesh``)."""
+    """A ``jax.sharding.Mesh`` with real devices for ``spec`` (or the user's own ``Mesh``).
+
+    The default backend's devices where there are enough, else the CPU's
+    (``XLA_FLAGS=--xla_force_host_platform_device_count=N`` makes N of them).
+    """
     import jax
 
     if isinstance(mesh, jax.sharding.Mesh):
         return mesh
-    for devices in (None, "cpu"):
+    devices = jax.devices()
+    if len(devices) < spec.size:
         try:
-            devs = jax.devices() if devices is None else jax.devices(devices)
+            cpus = jax.devices("cpu")
         except RuntimeError:
-            continue
-        if len(devs) >= spec.size:
-            return spec.jax_mesh(devs)
-    raise ShardsolveError(
-        f"compare compiles for mesh {spec}, which needs {spec.size} devices, but only {len(jax.devices())} are "
-        f"present; set XLA_FLAGS=--xla_force_host_platform_device_count={spec.size} before JAX starts "
-        f"(the `shardsolve compare` command does this)"
-    )
-
-
-def _flat_annotations(prefix: Any, tree_def: Any, what: str) -> list[Any]:
-    from shardsolve.planner import broadcast_annotations
-
-    return broadcast_annotations(prefix, tree_def, what)
+            cpus = []
+        devices = cpus if len(cpus) >= spec.size else devices
+    return spec.devices_mesh("compare", devices)
 
 
 def _to_named(ann: Any, jmesh, ndim: int) -> Any:
@@ -458,7 +407,7 @@ def jit_with(fun: Callable, args: Sequence[Any], jmesh, in_shardings: Any, out_s
     in_tree = jax.tree_util.tree_structure(abstract)
     kwargs: dict[str, Any] = {}
     if in_shardings is not None:
-        flat = _flat_annotations(in_shardings, in_tree, "in_shardings")
+        flat = broadcast_annotations(in_shardings, in_tree, "in_shardings")
         leaves = jax.tree_util.tree_leaves(abstract)
         kwargs["in_shardings"] = jax.tree_util.tree_unflatten(
             in_tree, [_to_named(a, jmesh, len(x.shape)) for a, x in zip(flat, leaves)]
@@ -466,7 +415,7 @@ def jit_with(fun: Callable, args: Sequence[Any], jmesh, in_shardings: Any, out_s
     if out_shardings is not None:
         out_abstract = jax.eval_shape(fun, *abstract)
         out_tree = jax.tree_util.tree_structure(out_abstract)
-        flat = _flat_annotations(out_shardings, out_tree, "out_shardings")
+        flat = broadcast_annotations(out_shardings, out_tree, "out_shardings")
         out_leaves = jax.tree_util.tree_leaves(out_abstract)
         kwargs["out_shardings"] = jax.tree_util.tree_unflatten(
             out_tree, [_to_named(a, jmesh, len(x.shape)) for a, x in zip(flat, out_leaves)]
@@ -516,20 +465,19 @@ def compare(
     columns: Sequence[str] = COLUMNS,
     plan: Any = None,
     seed: int = 0,
+    source: str = "",
 ) -> Comparison:
     """Compile ``fun(*args)`` with GSPMD, Shardy and shardsolve's plan from the same annotations, and judge all alike.
 
     ``expert_in_shardings`` (and ``expert_out_shardings``) add an ``expert``
     column: ``jax.jit`` with that annotation under Shardy. ``plan`` reuses an
     already made plan instead of planning again. ``memory_limit`` is passed to
-    the planner and sets each column's ``fits``. See the module docstring.
+    the planner and sets each column's ``fits``; ``source`` is recorded in the
+    plan (``Plan.source``). See the module docstring.
     """
-    import shardsolve
-    from shardsolve.planner import _parse_memory
-
     say = progress or (lambda message: None)
     spec = as_mesh_spec(mesh)
-    limit = _parse_memory(memory_limit)
+    limit = parse_memory_limit(memory_limit)
     jmesh = concrete_mesh(mesh, spec)
     unknown = [c for c in columns if c not in COLUMNS]
     if unknown:
@@ -555,9 +503,9 @@ def compare(
             if plan is None:
                 say("planning with shardsolve")
                 try:
-                    plan = shardsolve.plan(
+                    plan = make_plan(
                         fun, *args, mesh=spec, in_shardings=in_shardings, out_shardings=out_shardings,
-                        memory_limit=limit, time_limit=time_limit, seed=seed,
+                        memory_limit=limit, time_limit=time_limit, seed=seed, source=source,
                         progress=(lambda m: say(f"planning: {m}")) if progress else None,
                     )
                 except ShardsolveError as e:
@@ -589,18 +537,10 @@ def _pins(plan, spec: MeshSpec, in_shardings: Any, out_shardings: Any) -> tuple[
     """The annotations as one ``Sharding`` (or None) per flattened argument and output of the plan's trace."""
     if plan is None or plan.graph is None or plan.graph.traced is None:
         return (), ()
-    from shardsolve.planner import _to_sharding
-
     traced = plan.graph.traced
     try:
-        ins = _flat_annotations(in_shardings, traced.in_tree, "in_shardings")
-        outs = _flat_annotations(out_shardings, traced.out_tree, "out_shardings")
-        in_pins = tuple(
-            _to_sharding(a, tuple(v.shape), spec, "in_shardings") for a, v in zip(ins, traced.in_avals)
-        )
-        out_pins = tuple(
-            _to_sharding(a, tuple(v.shape), spec, "out_shardings") for a, v in zip(outs, traced.out_avals)
-        )
+        in_pins = tuple(s for s, _ in argument_pins(traced, in_shardings, spec))
+        out_pins = tuple(s for s, _ in output_pins(traced, out_shardings, spec))
     except ShardsolveError:
         return (), ()
     return in_pins, out_pins

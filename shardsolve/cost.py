@@ -14,8 +14,19 @@ larger of the collective's input and output buffers:
     all-reduce:                              2 * (alpha*(n-1) + B*(n-1)/n / bw)
     collective-permute:                      alpha + B / bw
 
+That formula lives in one place, ``CollectiveCost.time``; ``collective_time``
+prices one collective with it, ``reshard_time`` every step of a reshard, and
+``hlo_collective_time`` a collective read from a compiled program (groups over
+part of an axis, or irregular ones, priced as an axis of their size).
+
 Compute is roofline-style per device: ``max(flops/peak_flops, bytes/hbm_bw)``
 where flops and bytes are one device's share, so replicated work is never free.
+
+Reshard prices are cached here, and only here: the steps of a (source,
+destination) pair are worked out once per shape class and compiled
+(``StepTemplate``: their byte formulas and ``CollectiveCost``s), ``reshard_steps``
+and ``reshard_time`` are memoised per shape, and ``ReshardTables`` holds the
+problem builder's edge tables per (shape, sharding sets).
 
     >>> from shardsolve.mesh import MeshSpec
     >>> from shardsolve.sharding import Sharding
@@ -32,13 +43,15 @@ from __future__ import annotations
 
 import functools
 import math
+import re
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Iterable, Sequence
 
-from shardsolve.mesh import MeshSpec
+import numpy as np
+
+from shardsolve.hlo import parse_replica_groups
+from shardsolve.mesh import MeshAxis, MeshSpec
 from shardsolve.sharding import Sharding
-
-COLLECTIVE_KINDS = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,7 +65,7 @@ class ReshardStep:
     the step's input and output buffers.
     """
 
-    kind: str  # one of COLLECTIVE_KINDS, or "slice"
+    kind: str  # all-gather, all-reduce, reduce-scatter, all-to-all, collective-permute, or slice
     axes: tuple[str, ...]
     bytes: int
     src: Sharding
@@ -65,26 +78,54 @@ class ReshardStep:
         return self.kind != "slice"
 
 
-FORBIDDEN_RESHARD = None  # returned by reshard_steps for impossible reshards
+# -- collectives and compute ---------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class CollectiveCost:
+    """The alpha-beta price of one collective kind over a set of mesh axes, as a function of its bytes.
+
+    ``time(B) = passes * (latency + B * share / group / bandwidth)``: for a
+    collective over ``n`` devices ``latency = alpha * (n - 1)``, ``share = n - 1``
+    and ``group = n`` (a collective-permute: ``alpha``, 1 and 1); ``passes`` is
+    2 for an all-reduce, 1 for the other collectives, 0 for what moves nothing.
+    """
+
+    latency: float
+    share: int
+    group: int
+    bandwidth: float
+    passes: float
+
+    def time(self, nbytes: float) -> float:
+        if not self.passes:
+            return 0.0
+        return self.passes * (self.latency + nbytes * self.share / self.group / self.bandwidth)
+
+
+FREE = CollectiveCost(0.0, 0, 1, 1.0, 0.0)
+
+
+@functools.lru_cache(maxsize=1 << 14)
+def collective_cost(kind: str, axes: tuple[str, ...], mesh: MeshSpec) -> CollectiveCost:
+    """The ``CollectiveCost`` of a ``kind`` collective over ``axes`` (``FREE`` for a slice or a group of one)."""
+    if kind == "slice" or not axes:
+        return FREE
+    n = mesh.group_size(axes)
+    if n <= 1:
+        return FREE
+    bw = min(mesh.axis(a).bandwidth for a in axes)
+    alpha = sum(mesh.axis(a).latency for a in axes)
+    if kind == "collective-permute":
+        return CollectiveCost(alpha, 1, 1, bw, 1.0)
+    if kind not in ("all-gather", "reduce-scatter", "all-to-all", "all-reduce"):
+        raise ValueError(f"unknown collective kind {kind!r}")
+    return CollectiveCost(alpha * (n - 1), n - 1, n, bw, 2.0 if kind == "all-reduce" else 1.0)
 
 
 def collective_time(kind: str, axes: Sequence[str], nbytes: float, mesh: MeshSpec) -> float:
     """Seconds for one collective over ``axes`` moving ``nbytes`` per device."""
-    if kind == "slice" or not axes:
-        return 0.0
-    n = mesh.group_size(axes)
-    if n <= 1:
-        return 0.0
-    bw = min(mesh.axis(a).bandwidth for a in axes)
-    alpha = sum(mesh.axis(a).latency for a in axes)
-    if kind == "collective-permute":
-        return alpha + nbytes / bw
-    one_pass = alpha * (n - 1) + nbytes * (n - 1) / n / bw
-    if kind == "all-reduce":
-        return 2.0 * one_pass
-    if kind in ("all-gather", "reduce-scatter", "all-to-all"):
-        return one_pass
-    raise ValueError(f"unknown collective kind {kind!r}")
+    return collective_cost(kind, tuple(axes), mesh).time(nbytes)
 
 
 def compute_time(flops: float, nbytes: float, mesh: MeshSpec) -> float:
@@ -92,8 +133,56 @@ def compute_time(flops: float, nbytes: float, mesh: MeshSpec) -> float:
     return max(flops / mesh.peak_flops, nbytes / mesh.hbm_bandwidth)
 
 
-def _nbytes(shape: Sequence[int], itemsize: int, sharding: Sharding, mesh: MeshSpec) -> int:
-    return sharding.local_bytes(shape, itemsize, mesh)
+# -- collectives of compiled programs ---------------------------------------------------
+
+
+def hlo_collective_time(c: Any, mesh: MeshSpec) -> float:
+    """``collective_time`` of one collective parsed from HLO (``hlo.HloCollective``, or anything alike).
+
+    ``shardsolve.hlo`` names groups that span part of an axis Shardy-style
+    (``"model:(1)2"``) and irregular groups ``"?"``; those are priced as an axis
+    of the group's size with the links of the axis they lie in (for ``"?"``,
+    the slowest link of the mesh and the latency of all axes).
+    """
+    axes = tuple(c.axes)
+    if all(a in mesh.names for a in axes):
+        return collective_time(c.kind, axes, c.bytes, mesh)
+    extra: list[MeshAxis] = []
+    names: list[str] = []
+    for k, a in enumerate(axes):
+        if a in mesh.names:
+            names.append(a)
+            continue
+        m = re.fullmatch(r"([A-Za-z_][A-Za-z0-9_]*):\((\d+)\)(\d+)", a)
+        if m and m.group(1) in mesh.names:
+            base = mesh.axis(m.group(1))
+            extra.append(MeshAxis(f"_sub{k}", int(m.group(3)), base.bandwidth, base.latency))
+        else:
+            size = _irregular_group_size(c, mesh)
+            extra.append(
+                MeshAxis(f"_irregular{k}", size, min(x.bandwidth for x in mesh.axes), sum(x.latency for x in mesh.axes))
+            )
+        names.append(extra[-1].name)
+    priced = MeshSpec(mesh.axes + tuple(extra), peak_flops=mesh.peak_flops, hbm_bandwidth=mesh.hbm_bandwidth)
+    return collective_time(c.kind, tuple(names), c.bytes, priced)
+
+
+def _irregular_group_size(c: Any, mesh: MeshSpec) -> int:
+    if c.kind == "collective-permute":
+        return 2
+    try:
+        groups = parse_replica_groups(c.groups, mesh.size)
+        return max(1, max(len(g) for g in groups))
+    except (ValueError, IndexError, AttributeError):
+        return mesh.size
+
+
+def communication_time(collectives: Iterable[Any], mesh: MeshSpec) -> float:
+    """Seconds of the given collectives (``hlo.HloCollective`` or predicted ones) under the cost model."""
+    return sum(hlo_collective_time(c, mesh) for c in collectives)
+
+
+# -- reshard steps ---------------------------------------------------------------------
 
 
 def _uneven(shape: Sequence[int], axes: Sequence[str], d: int, mesh: MeshSpec) -> bool:
@@ -101,15 +190,8 @@ def _uneven(shape: Sequence[int], axes: Sequence[str], d: int, mesh: MeshSpec) -
     return n > 1 and shape[d] % n != 0
 
 
-def _padded_bytes(shape: Sequence[int], itemsize: int, sharding: Sharding, d: int, n: int, mesh: MeshSpec) -> int:
-    """Bytes of ``sharding``'s local buffer with dimension ``d`` padded up to a multiple of ``n``."""
-    local = list(sharding.local_shape(shape, mesh))
-    local[d] = -(-local[d] // n) * n
-    return math.prod(local) * itemsize
-
-
 def _build_template(shape: tuple[int, ...], src: Sharding, dst: Sharding, mesh: MeshSpec) -> tuple | None:
-    """The steps of ``reshard_steps`` with their byte counts left as specs (see ``_spec_bytes``).
+    """The steps of ``reshard_steps`` with their byte counts left as specs (see ``StepTemplate.compile``).
 
     The steps that turn a value sharded as ``src`` into ``dst``, or ``None`` if impossible.
 
@@ -234,81 +316,82 @@ def _build_template(shape: tuple[int, ...], src: Sharding, dst: Sharding, mesh: 
     return tuple(steps)
 
 
-def _spec_bytes(spec: tuple, shape: tuple[int, ...], itemsize: int, mesh: MeshSpec) -> int:
-    """Per-device bytes of one step of a template, for ``shape``."""
-    if spec[0] == "local":
-        return _nbytes(shape, itemsize, spec[1], mesh)
-    if spec[0] == "pad":
-        return _padded_bytes(shape, itemsize, spec[1], spec[2], spec[3], mesh)
-    _, after, before, d, n = spec  # "gather": the gathered buffer holds every shard, padding included
-    return max(_nbytes(shape, itemsize, after, mesh), _padded_bytes(shape, itemsize, before, d, 1, mesh) * n)
+@dataclass(frozen=True, slots=True)
+class StepTemplate:
+    """One step of ``_build_template``, for every shape of a class: a ``ReshardStep`` but for its bytes.
 
-
-def _local_bytes(shape: tuple[int, ...], itemsize: int, parts: tuple[int, ...]) -> int:
-    """``Sharding.local_bytes`` with each dimension's number of parts given (0: unsplit)."""
-    n = itemsize
-    for size, k in zip(shape, parts):
-        n *= -(-size // k) if k else size
-    return n
-
-
-def _compile_step(step: tuple, mesh: MeshSpec) -> tuple:
-    """One template step as (byte formula, time formula): integers and floats only, for ``_step_time``.
-
-    Byte formulas: ``(0, parts)`` local bytes; ``(1, parts, d, n)`` local bytes
-    with dimension ``d`` padded to a multiple of ``n``; ``(2, parts_after,
-    parts_before, g)`` the larger of the gathered buffer and ``g`` padded shards.
-    Time formulas follow ``collective_time`` term for term, so the floats are the same.
+    Its bytes per device, for a value of ``shape``: the local buffer with
+    ``parts[d]`` shards of dimension ``d`` (0: unsplit), dimension ``pad_dim``
+    padded up to a multiple of ``pad_to`` (a reduce-scatter's input); an
+    all-gather's counts ``gathered`` padded source shards (``parts_before``)
+    when that is larger. ``price`` is the step's ``CollectiveCost``.
     """
-    kind, axes, spec = step[0], step[1], step[2]
 
-    def parts(sh: Sharding) -> tuple[int, ...]:
-        return tuple(mesh.group_size(ax) if ax else 0 for ax in sh.dims)
+    kind: str
+    axes: tuple[str, ...]
+    src: Sharding
+    dst: Sharding
+    dim: int | None
+    concat_dim: int | None
+    price: CollectiveCost
+    parts: tuple[int, ...]
+    pad_dim: int | None = None
+    pad_to: int = 1
+    gathered: int = 0
+    parts_before: tuple[int, ...] = ()
 
-    if spec[0] == "local":
-        nb = (0, parts(spec[1]))
-    elif spec[0] == "pad":
-        nb = (1, parts(spec[1]), spec[2], spec[3])
-    else:
-        nb = (2, parts(spec[1]), parts(spec[2]), spec[4])
-    n = mesh.group_size(axes) if axes else 0
-    if kind == "slice" or not axes or n <= 1:
-        return nb, (0,)
-    bw = min(mesh.axis(a).bandwidth for a in axes)
-    alpha = sum(mesh.axis(a).latency for a in axes)
-    if kind == "collective-permute":
-        return nb, (1, alpha, bw)
-    if kind not in ("all-reduce", "all-gather", "reduce-scatter", "all-to-all"):
-        raise ValueError(f"unknown collective kind {kind!r}")
-    return nb, (3 if kind == "all-reduce" else 2, alpha * (n - 1), n - 1, n, bw)
+    @classmethod
+    def compile(cls, step: tuple, mesh: MeshSpec) -> StepTemplate:
+        kind, axes, spec, before, after, dim, concat = step
 
+        def parts(sh: Sharding) -> tuple[int, ...]:
+            return tuple(mesh.group_size(ax) if ax else 0 for ax in sh.dims)
 
-def _step_time(compiled: tuple, shape: tuple[int, ...], itemsize: int) -> float:
-    nb, how = compiled
-    if how[0] == 0:
-        return 0.0
-    if nb[0] == 0:
-        nbytes = _local_bytes(shape, itemsize, nb[1])
-    elif nb[0] == 1:
-        local = [-(-size // k) if k else size for size, k in zip(shape, nb[1])]
-        d, n = nb[2], nb[3]
-        local[d] = -(-local[d] // n) * n
-        nbytes = math.prod(local) * itemsize
-    else:
-        nbytes = max(_local_bytes(shape, itemsize, nb[1]), _local_bytes(shape, itemsize, nb[2]) * nb[3])
-    if how[0] == 1:
-        return how[1] + nbytes / how[2]
-    one_pass = how[1] + nbytes * how[2] / how[3] / how[4]
-    return 2.0 * one_pass if how[0] == 3 else one_pass
+        price = collective_cost(kind, tuple(axes), mesh)
+        if spec[0] == "local":
+            return cls(kind, axes, before, after, dim, concat, price, parts(spec[1]))
+        if spec[0] == "pad":
+            return cls(kind, axes, before, after, dim, concat, price, parts(spec[1]), spec[2], spec[3])
+        _, gathered_into, gathered_from, _, n = spec  # "gather"
+        return cls(kind, axes, before, after, dim, concat, price, parts(gathered_into), gathered=n,
+                   parts_before=parts(gathered_from))
+
+    def nbytes(self, shape: tuple[int, ...], itemsize: int) -> int:
+        n = itemsize
+        if self.pad_dim is None:
+            for size, k in zip(shape, self.parts):
+                n *= -(-size // k) if k else size
+        else:
+            for d, (size, k) in enumerate(zip(shape, self.parts)):
+                local = -(-size // k) if k else size
+                n *= -(-local // self.pad_to) * self.pad_to if d == self.pad_dim else local
+        if self.gathered:
+            m = itemsize * self.gathered
+            for size, k in zip(shape, self.parts_before):
+                m *= -(-size // k) if k else size
+            n = max(n, m)
+        return n
+
+    def time(self, shape: tuple[int, ...], itemsize: int) -> float:
+        return self.price.time(self.nbytes(shape, itemsize)) if self.price.passes else 0.0
+
+    def step(self, shape: tuple[int, ...], itemsize: int) -> ReshardStep:
+        return ReshardStep(self.kind, self.axes, self.nbytes(shape, itemsize), self.src, self.dst, self.dim,
+                           self.concat_dim)
 
 
 # (src, dst, mesh) -> (per dimension: product of the sizes of the axes src or dst split it by,
-#                      {shape class: (template, compiled steps)})
+#                      {shape class: compiled steps, or None when impossible})
 _TEMPLATES: dict[tuple, tuple[tuple[int, ...], dict]] = {}
 
 
-def _template_entry(shape: tuple[int, ...], src: Sharding, dst: Sharding, mesh: MeshSpec) -> tuple:
-    """(``_build_template``, its compiled steps), shared by every shape of the same class.
+def _compiled(shape: tuple[int, ...], src: Sharding, dst: Sharding, mesh: MeshSpec) -> tuple[StepTemplate, ...] | None:
+    tpl = _build_template(shape, src, dst, mesh)
+    return None if tpl is None else tuple(StepTemplate.compile(st, mesh) for st in tpl)
+
+
+def _template(shape: tuple[int, ...], src: Sharding, dst: Sharding, mesh: MeshSpec) -> tuple[StepTemplate, ...] | None:
+    """The compiled steps of ``_build_template``, shared by every shape of the same class.
 
     The steps only ask whether a dimension is split evenly by axes of
     ``src`` or ``dst`` on it; every such group size divides the product of
@@ -321,25 +404,14 @@ def _template_entry(shape: tuple[int, ...], src: Sharding, dst: Sharding, mesh: 
         if len(_TEMPLATES) >= 1 << 16:
             _TEMPLATES.clear()
         if len(src.dims) != len(shape) or len(dst.dims) != len(shape):
-            return _build_template(shape, src, dst, mesh), None  # let the builder complain; cache nothing
+            return _compiled(shape, src, dst, mesh)  # let the builder complain; cache nothing
         prods = tuple(mesh.group_size(set(a) | set(b)) for a, b in zip(src.dims, dst.dims))
         hit = _TEMPLATES[pair] = (prods, {})
     prods, by_class = hit
     cls = tuple(math.gcd(size, p) for size, p in zip(shape, prods))
-    entry = by_class.get(cls)
-    if entry is None:
-        tpl = _build_template(shape, src, dst, mesh)
-        entry = by_class[cls] = (tpl, None if tpl is None else tuple(_compile_step(st, mesh) for st in tpl))
-    return entry
-
-
-def _steps_from(
-    tpl: tuple | None, shape: tuple[int, ...], itemsize: int, mesh: MeshSpec
-) -> tuple[ReshardStep, ...] | None:
-    if tpl is None:
-        return None
-    return tuple(ReshardStep(kind, axes, _spec_bytes(spec, shape, itemsize, mesh), before, after, dim, concat)
-                 for kind, axes, spec, before, after, dim, concat in tpl)
+    if cls not in by_class:
+        by_class[cls] = _compiled(shape, src, dst, mesh)
+    return by_class[cls]
 
 
 def reshard_steps_uncached(
@@ -347,7 +419,8 @@ def reshard_steps_uncached(
 ) -> tuple[ReshardStep, ...] | None:
     """``reshard_steps`` worked out for this shape alone (no shared template; for tests)."""
     shape = tuple(shape)
-    return _steps_from(_build_template(shape, src, dst, mesh), shape, itemsize, mesh)
+    steps = _compiled(shape, src, dst, mesh)
+    return None if steps is None else tuple(t.step(shape, itemsize) for t in steps)
 
 
 @functools.lru_cache(maxsize=1 << 18)
@@ -359,20 +432,18 @@ def reshard_steps(
     See ``_build_template`` for the order of the steps.
     """
     shape = tuple(shape)
-    return _steps_from(_template_entry(shape, src, dst, mesh)[0], shape, itemsize, mesh)
+    steps = _template(shape, src, dst, mesh)
+    return None if steps is None else tuple(t.step(shape, itemsize) for t in steps)
 
 
 @functools.lru_cache(maxsize=1 << 18)
 def reshard_time(shape: tuple[int, ...], itemsize: int, src: Sharding, dst: Sharding, mesh: MeshSpec) -> float:
-    """Seconds to reshard, ``inf`` when impossible."""
+    """Seconds to reshard, ``inf`` when impossible: the ``collective_time`` of each step of ``reshard_steps``."""
     shape = tuple(shape)
-    tpl, compiled = _template_entry(shape, src, dst, mesh)
-    if tpl is None:
+    steps = _template(shape, src, dst, mesh)
+    if steps is None:
         return math.inf
-    if compiled is None:
-        return sum(collective_time(kind, axes, _spec_bytes(spec, shape, itemsize, mesh), mesh)
-                   for kind, axes, spec, *_ in tpl)
-    return sum([_step_time(c, shape, itemsize) for c in compiled])
+    return sum([t.time(shape, itemsize) for t in steps])
 
 
 @functools.lru_cache(maxsize=1 << 16)
@@ -391,3 +462,59 @@ def reshard_time_given(
     known = [k for k, s in enumerate(steps) if s.dst == present]
     rest = steps[known[-1] + 1:] if known else steps
     return sum(collective_time(s.kind, s.axes, s.bytes, mesh) for s in rest)
+
+
+# -- reshard tables (the problem builder's) -------------------------------------------------
+
+
+class ReshardTables:
+    """Reshard-time tables, computed once per distinct (shape, dtype size, shardings) and reused.
+
+    Shardings are numbered (``ids``) so that a table is keyed by arrays of
+    sharding ids; a table over distinct ids (``_small``) is priced once with
+    ``reshard_time`` and expanded to each requested order (``_full``). An
+    impossible reshard costs ``impossible`` (the problem's ``FORBIDDEN`` for
+    the problem builder).
+    """
+
+    def __init__(self, mesh: MeshSpec, impossible: float = math.inf):
+        self.mesh = mesh
+        self.impossible = impossible
+        self._ids: dict[Sharding, int] = {}
+        self.shardings: list[Sharding] = []
+        self._small: dict[tuple, np.ndarray] = {}
+        self._full: dict[tuple, np.ndarray] = {}
+
+    def ids(self, shardings: Sequence[Sharding]) -> np.ndarray:
+        out = np.empty(len(shardings), dtype=np.int64)
+        for k, s in enumerate(shardings):
+            i = self._ids.get(s)
+            if i is None:
+                i = self._ids[s] = len(self.shardings)
+                self.shardings.append(s)
+            out[k] = i
+        return out
+
+    def table(self, shape: tuple[int, ...], itemsize: int, src: np.ndarray, dst: np.ndarray) -> np.ndarray:
+        """Seconds to reshard from each source strategy's sharding to each destination's (or ``impossible``).
+
+        The returned array may be shared between edges: never modify it in place.
+        """
+        full_key = (shape, itemsize, src.tobytes(), dst.tobytes())
+        hit = self._full.get(full_key)
+        if hit is not None:
+            return hit
+        su, si = np.unique(src, return_inverse=True)
+        du, di = np.unique(dst, return_inverse=True)
+        key = (shape, itemsize, su.tobytes(), du.tobytes())
+        small = self._small.get(key)
+        if small is None:
+            small = np.empty((len(su), len(du)), dtype=np.float64)
+            for a, s in enumerate(su):
+                for b, d in enumerate(du):
+                    t = reshard_time(shape, itemsize, self.shardings[s], self.shardings[d], self.mesh)
+                    small[a, b] = self.impossible if math.isinf(t) else t
+            self._small[key] = small
+        out = self._full[full_key] = small[np.ix_(si, di)]
+        out.flags.writeable = False
+        return out

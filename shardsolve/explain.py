@@ -28,10 +28,14 @@ Shardings of a baseline are printed per device as ``[8/2, 16, 64]`` (dimension
 from __future__ import annotations
 
 import re
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
 
+from shardsolve.cost import hlo_collective_time
+from shardsolve.hlo import collective_operand_shapes, strip_layouts, tuple_components
 from shardsolve.mesh import MeshSpec
+from shardsolve.units import format_bytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,8 +56,6 @@ class Explanation:
     note: str = ""  # e.g. "avoided by shardsolve" or what the plan does instead
 
     def line(self) -> str:
-        from shardsolve.planner import format_bytes
-
         axes = ",".join(self.axes)
         head = f"{self.kind}{{{axes}}} {format_bytes(self.bytes)} {self.time * 1e6:.2f} us"
         what = f"{self.value} {self.src} -> {self.dst}" if self.src or self.dst else self.value
@@ -188,13 +190,9 @@ def _dims(shape: str) -> tuple[int, ...] | None:
 
 def _compact(shapes: Sequence[str]) -> str:
     """Printed HLO shapes without layouts; repeated tuple members counted (``4 x f32[32,1,64]``)."""
-    from collections import Counter
-
-    from shardsolve.hlo import _strip_layouts, _top_level_components
-
     parts: list[str] = []
     for s in shapes:
-        parts.extend(_strip_layouts(p) for p in _top_level_components(s))
+        parts.extend(strip_layouts(p) for p in tuple_components(s))
     counts = Counter(parts)
     return ", ".join(p if n == 1 else f"{n} x {p}" for p, n in counts.items())
 
@@ -214,15 +212,9 @@ def _compatible(global_shape: Sequence[int], local: Sequence[int] | None) -> boo
 
 
 def _operand_shapes(column) -> dict[str, list[str]]:
-    """HLO instruction name -> printed shapes of its operands (from ``shardsolve.hlo``'s reader)."""
+    """HLO instruction name -> printed shapes of its operands, for the collectives of ``column``'s HLO."""
     text = getattr(column, "hlo", "") or ""
-    if not text:
-        return {}
-    from shardsolve import hlo
-
-    instrs = [i for i in (hlo._parse_instruction(line) for line in hlo._logical_lines(text)) if i is not None]
-    shape_of = {i.name: i.shape for i in instrs}
-    return {i.name: [shape_of.get(o, "") for o in i.operands] for i in instrs if hlo._kind_of(i.opcode)[0]}
+    return collective_operand_shapes(text) if text else {}
 
 
 def explain_column(column, plan=None, mesh: MeshSpec | None = None) -> list[Explanation]:
@@ -232,8 +224,6 @@ def explain_column(column, plan=None, mesh: MeshSpec | None = None) -> list[Expl
 
 def _explain_pairs(column, plan=None, mesh: MeshSpec | None = None) -> list[tuple[Any, Explanation, list[int]]]:
     """(HLO collective, its explanation, the traced ops it was matched to) for each collective of ``column``."""
-    from shardsolve.compare import hlo_collective_time
-
     mesh = mesh or (plan.mesh if plan is not None else None)
     graph = getattr(plan, "graph", None) if plan is not None else None
     keys = _op_keys(graph) if graph is not None else {}

@@ -23,7 +23,8 @@ import jax
 from jax.sharding import NamedSharding
 
 from shardsolve.errors import ShardsolveError
-from shardsolve.graph import Lit
+from shardsolve.graph import Lit, ScanBoundary
+from shardsolve.schedule import is_planned_scan
 from shardsolve.sharding import Sharding
 
 
@@ -45,28 +46,20 @@ def boundary(plan, which: str, shardings: Sequence[Sharding] | None = None) -> l
 def named_tree(plan, shardings: tuple[Sharding, ...], which: str) -> Any:
     """Shardings as ``NamedSharding``s in the pytree structure of the arguments (``"in"``) or outputs.
 
-    An uneven split is given evened (see the module docstring).
+    An uneven split is given evened (see the module docstring). A plan not
+    bound to its traced program gives a flat tuple.
     """
-    from shardsolve.plan import tree_of
-
     mesh = plan.mesh.jax_mesh()
     leaves = [named(mesh, s) for s in boundary(plan, which, shardings)]
-    tree = tree_of(plan, which)
-    if tree is None:
+    traced = plan.graph.traced if plan.graph is not None else None
+    if traced is None:
         return tuple(leaves)
-    return jax.tree_util.tree_unflatten(tree, leaves)
-
-
-def _require_bound(plan) -> None:
-    if plan.graph is None or plan.fun is None:
-        raise ShardsolveError(
-            "this plan is not bound to a function; use shardsolve.load_plan(path, fun, *args) or plan.bind(fun, *args)"
-        )
+    return jax.tree_util.tree_unflatten(traced.in_tree if which == "in" else traced.out_tree, leaves)
 
 
 def pinned_function(plan, mesh: Any) -> Callable:
     """The plan's program over flat arguments, with every non-partial intermediate pinned."""
-    _require_bound(plan)
+    plan.require_bound()
     graph = plan.graph
 
     def run(*flat_args):
@@ -104,7 +97,7 @@ def _run_pinned(graph, op_plans, args: list, consts: list, mesh: Any, scope: str
     for op, op_plan in zip(graph.ops, op_plans):
         # "ss{k}" names op k in the compiled HLO's op_name metadata (shardsolve.verify reads it).
         with jax.named_scope(f"{scope}{op.id}"):
-            if op.primitive == "scan" and op_plan.length:
+            if is_planned_scan(op, op_plan):
                 outs = _run_scan(graph, op, op_plan, [read(x) for x in op.inputs], mesh)
             else:
                 outs = op.prim.bind(*map(read, op.inputs), **op.prim.get_bind_params(op.params))
@@ -119,22 +112,19 @@ def _run_scan(graph, op, op_plan, operands: list, mesh: Any) -> list:
     """``jax.lax.scan`` of the op's body (``graph.body(op)``) with the body's planned shardings pinned."""
     p = op.params
     body = graph.body(op)
-    n_consts, n_carry = int(p["num_consts"]), int(p["num_carry"])
+    b = ScanBoundary.of(op, op_plan.operands, op_plan.results, op_plan.body_consts)
+    n_consts, n_carry = len(b.consts), len(b.carry)
     consts, carry, xs = operands[:n_consts], operands[n_consts:n_consts + n_carry], operands[n_consts + n_carry:]
-    boundary = op_plan.operands
-    carry_s = boundary[n_consts:n_consts + n_carry]
-    xs_s = [Sharding(s.dims[1:]) for s in boundary[n_consts + n_carry:]]
-    ys_s = [Sharding(s.dims[1:]) for s in op_plan.results[n_carry:]]
     body_consts = list(body.const_values)
-    if op_plan.body_consts:
-        body_consts = [_pin(c, s, mesh) for c, s in zip(body_consts, op_plan.body_consts)]
+    if b.body_consts:
+        body_consts = [_pin(c, s, mesh) for c, s in zip(body_consts, b.body_consts)]
 
     def step(c, x):
-        c = [_pin(v, s, mesh) for v, s in zip(c, carry_s)]
-        x = [_pin(v, s, mesh) for v, s in zip(x, xs_s)]
+        c = [_pin(v, s, mesh) for v, s in zip(c, b.carry)]
+        x = [_pin(v, s, mesh) for v, s in zip(x, b.xs)]
         outs = _run_pinned(body, op_plan.body, list(consts) + c + x, body_consts, mesh, "b")
-        new_c = [_pin(v, s, mesh) for v, s in zip(outs[:n_carry], carry_s)]
-        ys = [_pin(v, s, mesh) for v, s in zip(outs[n_carry:], ys_s)]
+        new_c = [_pin(v, s, mesh) for v, s in zip(outs[:n_carry], b.carry)]
+        ys = [_pin(v, s, mesh) for v, s in zip(outs[n_carry:], b.ys)]
         return new_c, ys
 
     kw = {"reverse": bool(p.get("reverse", False)), "unroll": p.get("unroll", 1)}
@@ -144,13 +134,8 @@ def _run_scan(graph, op, op_plan, operands: list, mesh: Any) -> list:
 
 def plan_jit(plan, **jit_kwargs) -> Callable:
     """``jax.jit`` of the plan's function with its shardings; same call signature as the function."""
-    _require_bound(plan)
-    mesh = plan.mesh.jax_mesh()
-    if not isinstance(mesh, jax.sharding.Mesh):
-        raise ShardsolveError(
-            f"plan.jit() needs {plan.mesh.size} devices for mesh {plan.mesh}, but only {len(jax.devices())} are "
-            "present; run on more devices (or set XLA_FLAGS=--xla_force_host_platform_device_count=N on CPU)"
-        )
+    plan.require_bound()
+    mesh = plan.mesh.devices_mesh("plan.jit()")
     run = pinned_function(plan, mesh)
     traced = plan.graph.traced
     in_flat = [named(mesh, s) for s in boundary(plan, "in")]

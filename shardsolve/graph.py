@@ -16,14 +16,27 @@ program order, so op ``k`` runs at time ``k`` of the liveness model.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
 import jax
 import numpy as np
 from jax.extend import core as jcore
 
-from shardsolve.rules.base import OpView
-from shardsolve.trace import Traced
+from shardsolve.sharding import Sharding
+from shardsolve.trace import Traced, inline_closed
+
+
+@dataclass(frozen=True, slots=True)
+class OpView:
+    """What a sharding rule sees of one operation (``Graph.view``)."""
+
+    primitive: str
+    params: dict = field(hash=False, compare=False)
+    in_shapes: tuple[tuple[int, ...], ...]
+    out_shapes: tuple[tuple[int, ...], ...]
+    in_dtypes: tuple[Any, ...] = ()
+    out_dtypes: tuple[Any, ...] = ()
+    prim: Any = field(default=None, hash=False, compare=False)  # the JAX primitive, for re-binding
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,8 +112,6 @@ class Graph:
         """
         hit = self._bodies.get(op.id)
         if hit is None:
-            from shardsolve.trace import inline_closed
-
             p = op.params
             n_consts, n_carry = p["num_consts"], p["num_carry"]
             n_in = len(p["jaxpr"].jaxpr.invars)
@@ -208,3 +219,91 @@ class Graph:
             if not isinstance(x, Lit):
                 out[x] = end
         return out
+
+
+# -- scans -----------------------------------------------------------------------------------
+
+
+def scan_counts(op: Op) -> tuple[int, int]:
+    """``(num_consts, num_carry)`` of a ``scan`` op: its operands are consts, carry, then xs."""
+    return int(op.params["num_consts"]), int(op.params["num_carry"])
+
+
+@dataclass(frozen=True, slots=True)
+class ScanBoundary:
+    """Where a ``scan`` whose body is planned once meets the enclosing program, in the body's shardings.
+
+    A scan's operands are its consts, its carry and its stacked xs (split by the
+    op's ``num_consts`` and ``num_carry``); its results the carry and the stacked
+    ys. Consts and carry are the same value inside and out (the carry enters and
+    leaves every iteration alike: a fixed point); each iteration reads one slice
+    of every x and writes one slice of every y. A stacked sharding is its slice's
+    with a leading, unsplit dimension (``stacked``); the slice drops it
+    (``sliced``). ``body_consts`` are the shardings of the body's own closed-over
+    constants.
+
+        >>> from shardsolve.sharding import Sharding
+        >>> c, h = Sharding((("model",), ())), Sharding((("data",), ()))
+        >>> b = ScanBoundary(consts=(c,), carry=(h,), xs=(Sharding(((), ("model",))),), ys=(h,))
+        >>> [str(s) for s in b.operands], [str(s) for s in b.results]
+        (['[{model}, {}]', '[{data}, {}]', '[{}, {}, {model}]'], ['[{data}, {}]', '[{}, {data}, {}]'])
+        >>> [str(s) for s in b.body_inputs], [str(s) for s in b.body_outputs]
+        (['[{model}, {}]', '[{data}, {}]', '[{}, {model}]'], ['[{data}, {}]', '[{data}, {}]'])
+        >>> ScanBoundary.sliced(b.operands[2]) == b.xs[0]
+        True
+    """
+
+    consts: tuple[Sharding, ...]
+    carry: tuple[Sharding, ...]
+    xs: tuple[Sharding, ...]  # one slice each, as the body reads it
+    ys: tuple[Sharding, ...]  # one slice each, as the body writes it
+    body_consts: tuple[Sharding, ...] = ()
+
+    @staticmethod
+    def stacked(s: Sharding) -> Sharding:
+        """The sharding of a stack of slices sharded as ``s``: the stacking dimension unsplit."""
+        return Sharding(((),) + s.dims)
+
+    @staticmethod
+    def sliced(s: Sharding) -> Sharding:
+        """The sharding of one slice of a stack sharded as ``s``."""
+        return Sharding(s.dims[1:])
+
+    @classmethod
+    def of(cls, op: Op, operands: Sequence[Sharding], results: Sequence[Sharding],
+           body_consts: Sequence[Sharding] = (), body: Graph | None = None) -> ScanBoundary:
+        """Decode a scan's operand and result shardings (stacked, as the enclosing program sees them).
+
+        With ``body``, closed-over constants ``body_consts`` does not cover are replicated.
+        """
+        n_consts, n_carry = scan_counts(op)
+        body_consts = tuple(body_consts)
+        if body is not None:
+            body_consts += tuple(Sharding.replicated(len(body.values[v].shape)) for v in body.consts[len(body_consts):])
+        return cls(
+            tuple(operands[:n_consts]),
+            tuple(operands[n_consts:n_consts + n_carry]),
+            tuple(cls.sliced(s) for s in operands[n_consts + n_carry:]),
+            tuple(cls.sliced(s) for s in results[n_carry:]),
+            body_consts,
+        )
+
+    @property
+    def operands(self) -> tuple[Sharding, ...]:
+        """Consts, carry and stacked xs: the scan's operands as the enclosing program passes them."""
+        return self.consts + self.carry + tuple(self.stacked(s) for s in self.xs)
+
+    @property
+    def results(self) -> tuple[Sharding, ...]:
+        """Carry and stacked ys: the scan's results as the enclosing program receives them."""
+        return self.carry + tuple(self.stacked(s) for s in self.ys)
+
+    @property
+    def body_inputs(self) -> tuple[Sharding, ...]:
+        """The body's inputs (consts, carry, one slice of each x) as the body reads them."""
+        return self.consts + self.carry + self.xs
+
+    @property
+    def body_outputs(self) -> tuple[Sharding, ...]:
+        """The body's outputs (carry, one slice of each y) as the body leaves them."""
+        return self.carry + self.ys

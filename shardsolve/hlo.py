@@ -80,7 +80,7 @@ _ARRAY = re.compile(r"([a-z][a-z0-9]*)\[([^\]]*)\]")
 def shape_bytes(shape: str) -> int:
     """Bytes of a printed HLO shape; tuples are summed (``(f32[2], bf16[4,4])`` -> 40)."""
     total = 0
-    for m in _ARRAY.finditer(_strip_layouts(shape)):
+    for m in _ARRAY.finditer(strip_layouts(shape)):
         dtype, dims = m.group(1), m.group(2)
         size = _itemsize(dtype)
         n = 1
@@ -101,7 +101,7 @@ def _itemsize(dtype: str) -> int:
     return max(1, int(m.group(1)) // 8) if m else 0
 
 
-def _strip_layouts(shape: str) -> str:
+def strip_layouts(shape: str) -> str:
     # Layouts ({1,0}, {1,0:T(8,128)S(1)}) hold no sizes; drop them so their digits are not read.
     out, depth = [], 0
     for ch in shape:
@@ -114,7 +114,7 @@ def _strip_layouts(shape: str) -> str:
     return "".join(out)
 
 
-def _top_level_components(shape: str) -> list[str]:
+def tuple_components(shape: str) -> list[str]:
     """The top-level elements of a tuple shape, or [shape] for an array."""
     s = shape.strip()
     if not s.startswith("("):
@@ -143,7 +143,9 @@ def _split_top(text: str, sep: str = ",") -> list[str]:
 
 
 @dataclass(frozen=True, slots=True)
-class _Instr:
+class Instruction:
+    """One instruction of printed HLO: ``%name = shape opcode(operands), attrs``."""
+
     name: str
     shape: str
     opcode: str
@@ -154,7 +156,8 @@ class _Instr:
 _HEAD = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*")
 
 
-def _parse_instruction(line: str) -> _Instr | None:
+def parse_instruction(line: str) -> Instruction | None:
+    """The instruction printed on ``line``, or None for anything else (headers, braces, comments)."""
     m = _HEAD.match(line)
     if not m:
         return None
@@ -174,7 +177,7 @@ def _parse_instruction(line: str) -> _Instr | None:
             continue
         names = re.findall(r"%([\w.\-]+)", part)
         operands.append(names[-1] if names else part.split()[-1])
-    return _Instr(m.group(1), shape, opcode, tuple(operands), attrs)
+    return Instruction(m.group(1), shape, opcode, tuple(operands), attrs)
 
 
 def _take_shape(text: str) -> tuple[str | None, str]:
@@ -439,7 +442,8 @@ def _metadata(attrs: str, sources: dict[int, str]) -> tuple[str, str]:
 # -- the parser ----------------------------------------------------------------------
 
 
-def _kind_of(opcode: str) -> tuple[str | None, bool]:
+def collective_kind(opcode: str) -> tuple[str | None, bool]:
+    """``("all-gather", True)`` for ``all-gather-start``; ``(None, False)`` for what is no collective."""
     for kind in KINDS:
         if opcode == kind:
             return kind, False
@@ -448,13 +452,21 @@ def _kind_of(opcode: str) -> tuple[str | None, bool]:
     return None, False
 
 
+def instructions(text: str) -> list[Instruction]:
+    """Every instruction of an HLO module's text, in order (XLA prints one per line)."""
+    return [ins for ins in map(parse_instruction, text.splitlines()) if ins is not None]
+
+
+def collective_operand_shapes(text: str) -> dict[str, list[str]]:
+    """Collective instruction name -> the printed shapes of its operands."""
+    instrs = instructions(text)
+    shape_of = {i.name: i.shape for i in instrs}
+    return {i.name: [shape_of.get(o, "") for o in i.operands] for i in instrs if collective_kind(i.opcode)[0]}
+
+
 def collectives_from_hlo(text: str, mesh: MeshSpec) -> list[HloCollective]:
     """Every collective of an optimized HLO module, in text order (see the module docstring)."""
-    instrs: list[_Instr] = []
-    for line in _logical_lines(text):
-        ins = _parse_instruction(line)
-        if ins is not None:
-            instrs.append(ins)
+    instrs = instructions(text)
     shape_of = {i.name: i.shape for i in instrs}
     done_of: dict[str, str] = {}
     for i in instrs:
@@ -463,7 +475,7 @@ def collectives_from_hlo(text: str, mesh: MeshSpec) -> list[HloCollective]:
     sources = _stack_sources(text)
     out: list[HloCollective] = []
     for ins in instrs:
-        kind, is_async = _kind_of(ins.opcode)
+        kind, is_async = collective_kind(ins.opcode)
         if kind is None:
             continue
         in_bytes = sum(shape_bytes(shape_of.get(o, "")) for o in ins.operands)
@@ -471,7 +483,7 @@ def collectives_from_hlo(text: str, mesh: MeshSpec) -> list[HloCollective]:
             if ins.name in done_of:
                 out_shape = done_of[ins.name]
             else:  # a start whose done we cannot see: its largest component
-                out_shape = max(_top_level_components(ins.shape), key=shape_bytes)
+                out_shape = max(tuple_components(ins.shape), key=shape_bytes)
             if kind == "all-reduce" and ins.name not in done_of:
                 out_shape = ins.shape
         else:
@@ -507,11 +519,6 @@ def _permute_axes(pairs: Sequence[Sequence[int]], mesh: MeshSpec) -> _Span:
         moved |= {i for i in range(len(sizes)) if a[i] != b[i]}
     axes = tuple(mesh.names[i] for i in sorted(moved))
     return _Span(axes, axes)
-
-
-def _logical_lines(text: str) -> Iterable[str]:
-    """XLA prints one instruction per line."""
-    return text.splitlines()
 
 
 # -- inventories ---------------------------------------------------------------------

@@ -5,10 +5,12 @@ that runs the whole program inside one ``jax.shard_map`` over the plan's mesh.
 Every value lives as a ``PartitionedValue`` (its local shard, its ``Sharding``
 and its global shape, as XLA's ``PartitionedHlo``). Every operation runs on
 local shards through its rule's kernel (``rules.local.run_local``), with the
-operands first resharded to what the planned strategy reads. A reshard executes
-exactly the ``ReshardStep``s of ``cost.reshard_steps``, the function the
-solver priced, so the collectives of the lowered program are the plan's
-predicted collectives, byte for byte:
+operands first resharded to what the planned strategy reads. The reshards are
+the plan's schedule (``shardsolve.schedule``), executed: each ``Demand`` is run
+by taking its ``source`` layout from the table of layouts made so far and
+applying exactly its ``ReshardStep``s, the steps the plan priced, so the
+collectives of the lowered program are the plan's predicted collectives, byte
+for byte, by construction:
 
     ReshardStep        emitted as
     -----------        ----------
@@ -18,15 +20,14 @@ predicted collectives, byte for byte:
     all-gather         all_gather(axis=dim, tiled=True)
     slice              a local dynamic slice at the shard's offset (axis_index)
 
-A reshard cache keyed by (value, target sharding) makes a second demand for
-the same layout free, as ``planner.predicted_collectives`` assumes.
+The schedule's reshard cache (a layout made once is reused) is the table: the
+rewriter keeps every layout a demand makes and decides nothing itself.
 
 A planned ``scan`` runs as ``jax.lax.scan`` over local shards, its body
-lowered like the program. The layouts its body reads loop invariants in (its
-consts, the body's closed-over constants) are made once before the loop, with
-the enclosing scope's cache, and handed to the body's cache: each runs once
-per run of the scan, and two scans reading one value in one layout share it,
-as predicted, without relying on XLA's loop-invariant code motion and CSE.
+lowered like the program. The schedule's ``LOOP_INVARIANTS`` demands (the
+layouts its body reads loop invariants in) run once before the loop and are
+handed to the body's table, without relying on XLA's loop-invariant code
+motion and CSE.
 
     plan = shardsolve.plan(step, params, batch, mesh="data=2,model=4",
                            in_shardings=(None, P("data")))
@@ -56,6 +57,7 @@ layout, the reshard the plan predicts.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import re
 from dataclasses import dataclass, field
@@ -68,9 +70,11 @@ from jax.sharding import NamedSharding
 
 from shardsolve.cost import ReshardStep, reshard_steps
 from shardsolve.errors import ShardsolveError
-from shardsolve.graph import Graph, Lit, Op
+from shardsolve.graph import Graph, Lit, Op, OpView, ScanBoundary
 from shardsolve.mesh import MeshSpec
-from shardsolve.rules.local import fill_padding, identity
+from shardsolve.rules import fallback_rule, rule_for
+from shardsolve.rules.local import fill_padding, identity, run_local
+from shardsolve.schedule import ARGUMENT, LOOP_INVARIANTS, OPERANDS, OUTPUT, Demand, Schedule, Scope, Site, is_planned_scan
 from shardsolve.sharding import Sharding
 
 AxisIndex = Callable[[str], Any]
@@ -107,34 +111,20 @@ class PartitionedValue:
 
     # -- resharding -------------------------------------------------------
 
-    def reshard(
-        self,
-        target: Sharding,
-        *,
-        cache: Callable[[PartitionedValue], PartitionedValue] | None = None,
-        cached: Callable[[Sharding], PartitionedValue | None] | None = None,
-    ) -> PartitionedValue:
-        """Run the ``cost.reshard_steps`` from this sharding to ``target``, one collective per step.
-
-        With a cache (``cached(sharding)`` looks a layout up, ``cache(value)``
-        stores one), the steps start from the last layout along the way that is
-        already known.
-        """
+    def reshard(self, target: Sharding) -> PartitionedValue:
+        """Run the ``cost.reshard_steps`` from this sharding to ``target``, one collective per step."""
         steps = reshard_steps(self.shape, np.dtype(self.local.dtype).itemsize, self.sharding, target, self.mesh)
         if steps is None:
             raise ShardsolveError(f"cannot reshard a value from {self.sharding} to {target}: the plan is inconsistent")
-        value, rest = self, steps
-        if cached is not None:  # start from the last layout along the way that is already known
-            for k in range(len(steps) - 1, -1, -1):
-                known = cached(steps[k].dst)
-                if known is not None:
-                    value, rest = known, steps[k + 1:]
-                    break
-        for step in rest:
-            value = value.apply(step)
-            if cache is not None:
-                value = cache(value)
+        value = self.run(steps)
         assert value.sharding == target, (value.sharding, target)
+        return value
+
+    def run(self, steps: Sequence[ReshardStep]) -> PartitionedValue:
+        """Apply ``steps`` in order (the first must start from this sharding)."""
+        value = self
+        for step in steps:
+            value = value.apply(step)
         return value
 
     def replicate(self) -> PartitionedValue:
@@ -248,7 +238,7 @@ class LoweredOp:
     """
 
     op: Op
-    view: Any  # rules.base.OpView
+    view: OpView
     rule: Any  # rules.base.Rule, None for a planned scan
     strategy: Any  # rules.base.Strategy, None for a planned scan
     fallback: bool
@@ -268,8 +258,6 @@ def op_strategies(plan) -> list[LoweredOp]:
 
 
 def _lowered_ops(graph: Graph, op_plans: Sequence[Any], mesh: MeshSpec, cache: dict) -> list[LoweredOp]:
-    from shardsolve.rules import fallback_rule, rule_for
-
     if len(op_plans) != len(graph.ops):
         raise ShardsolveError(
             f"the plan has {len(op_plans)} operations where the program has {len(graph.ops)}; plan it again"
@@ -277,7 +265,7 @@ def _lowered_ops(graph: Graph, op_plans: Sequence[Any], mesh: MeshSpec, cache: d
     out = []
     for op, op_plan in zip(graph.ops, op_plans):
         view = graph.view(op)
-        if op.primitive == "scan" and getattr(op_plan, "length", 0):
+        if is_planned_scan(op, op_plan):
             body = tuple(_lowered_ops(graph.body(op), op_plan.body, mesh, cache))
             out.append(LoweredOp(op, view, None, None, False, op_plan, body))
             continue
@@ -303,143 +291,139 @@ def _lowered_ops(graph: Graph, op_plans: Sequence[Any], mesh: MeshSpec, cache: d
 
 # -- the rewriter --------------------------------------------------------------------------
 
+Layouts = dict[tuple[int, Sharding], PartitionedValue]  # (value id, sharding) -> that layout, made
+
 
 class _Rewriter:
-    """Runs the plan's graph on local shards (inside shard_map)."""
+    """Runs the plan's graph on local shards (inside shard_map), executing its reshard schedule.
 
-    def __init__(self, plan, lowered: list[LoweredOp], const_shardings: dict[int, Sharding]):
-        self.plan = plan
+    Every scope (the program, each run of a scan body) keeps a table of the
+    layouts made so far, keyed by (value, sharding): each value as its producer
+    made it, and each step result of the schedule's demands. A demand is run
+    by looking its ``source`` up there and applying exactly its ``steps``;
+    operands are then read from the table in the layouts their strategy needs.
+    """
+
+    def __init__(self, plan, lowered: list[LoweredOp], schedule: Schedule):
         self.graph: Graph = plan.graph
         self.mesh: MeshSpec = plan.mesh
+        self.plan = plan
         self.lowered = lowered
-        self.const_shardings = const_shardings
+        self.schedule = schedule
 
     def run(self, *flat_locals):
-        graph = self.graph
+        graph, plan = self.graph, self.plan
         n_in = len(graph.inputs)
-        inputs = []
-        preset: dict[tuple[int, Sharding], PartitionedValue] = {}
-        for vid, x, s in zip(graph.inputs, flat_locals[:n_in], self.plan.inputs):
-            # An uneven argument arrives evened; cutting it to its planned shards is a local slice,
-            # and the evened layout stays in the reshard cache (planner.predicted_collectives counts so).
-            arrived = self._pv(graph, vid, x, s.evened(graph.values[vid].shape, self.mesh))
-            if arrived.sharding != s:
-                preset[(vid, arrived.sharding)] = arrived
-            inputs.append(arrived if arrived.sharding == s else arrived.reshard(s))
-        consts = [self._pv(graph, vid, x, self.const_shardings[vid]) for vid, x in zip(graph.consts, flat_locals[n_in:])]
-        # An uneven output leaves evened, resharded straight from its producer.
+        table: Layouts = {}
+        for k, (vid, x, s) in enumerate(zip(graph.inputs, flat_locals[:n_in], plan.inputs)):
+            # An uneven argument arrives evened; its demand cuts it to the planned shards (a local slice).
+            self._define(table, graph, vid, x, s.evened(graph.values[vid].shape, self.mesh))
+            self._execute(self.schedule.at(Site((), ARGUMENT, k)), table, {}, "")
+        for vid, x, s in zip(graph.consts, flat_locals[n_in:], self.consts()):
+            self._define(table, graph, vid, x, s)
         targets = [s if isinstance(x, Lit) else s.evened(graph.values[x].shape, self.mesh)
-                   for x, s in zip(graph.outputs, self.plan.outputs)]
-        return tuple(self._lower_graph(graph, self.lowered, inputs, consts, "ss", targets, "ssout", preset))
+                   for x, s in zip(graph.outputs, plan.outputs)]
+        return tuple(self._lower_graph((), graph, self.lowered, table, targets))
+
+    def consts(self) -> list[Sharding]:
+        """The planned sharding of each closed-over constant (replicated where the plan does not say)."""
+        graph, planned = self.graph, tuple(self.plan.consts)
+        return [planned[k] if k < len(planned) else Sharding.replicated(len(graph.values[v].shape))
+                for k, v in enumerate(graph.consts)]
 
     def _pv(self, graph: Graph, vid: int, local, sharding: Sharding) -> PartitionedValue:
         return PartitionedValue(local, sharding, graph.values[vid].shape, self.mesh, jax.lax.axis_index)
 
-    def _lower_graph(self, graph: Graph, lowered: Sequence[LoweredOp], inputs: list[PartitionedValue],
-                     consts: list[PartitionedValue], scope: str, out_targets: list[Sharding], out_scope: str,
-                     preset: dict[tuple[int, Sharding], PartitionedValue] | None = None) -> list:
-        """Local shards of ``graph``'s outputs (laid out as ``out_targets``) from its inputs' and consts' values.
+    def _define(self, table: Layouts, graph: Graph, vid: int, local, sharding: Sharding) -> PartitionedValue:
+        pv = table[(vid, sharding)] = self._pv(graph, vid, local, sharding)
+        return pv
 
-        ``preset`` seeds the reshard cache with layouts made outside (a scan body's hoisted invariants).
+    def _execute(self, demands: Sequence[Demand], table: Layouts, own: Layouts, prefix: str) -> None:
+        """Run each demand's steps from its source layout, keeping every layout made.
+
+        ``own`` holds the layouts of a scan's literal consts and closed-over
+        constants (demands whose value belongs to the body, made before its
+        loop). Name scopes: ``{prefix}/ssr{value}`` (``{prefix}/bconst{value}``
+        for those), so compiled collectives name their value (``attribution``).
         """
-        from shardsolve.rules.local import run_local
+        for d in demands:
+            layouts = own if d.scope != d.site.scope else table
+            key = (d.value, d.source)
+            if key not in layouts:
+                raise ShardsolveError(f"the schedule reads {d.value_name} in {d.source}, which the program has not "
+                                      "made; the plan is inconsistent: plan the model again")
+            if not d.steps:
+                continue
+            value = layouts[key]
+            scope = contextlib.nullcontext() if not prefix else jax.named_scope(
+                f"{prefix}/bconst{d.value}" if layouts is own else f"{prefix}/ssr{d.value}")
+            with scope:
+                for step in d.steps:
+                    value = layouts[(d.value, step.dst)] = value.apply(step)
 
+    def _lower_graph(self, scope: Scope, graph: Graph, lowered: Sequence[LoweredOp], table: Layouts,
+                     out_targets: Sequence[Sharding]) -> list:
+        """Local shards of ``graph``'s outputs (laid out as ``out_targets``), given the layouts in ``table``."""
         mesh = self.mesh
-        env: dict[int, PartitionedValue] = dict(zip(graph.inputs, inputs))
-        env.update(zip(graph.consts, consts))
-        cache: dict[tuple[int, Sharding], PartitionedValue] = dict(preset or {})
-
-        def reshard_from(vid: int, src: PartitionedValue, target: Sharding, where: str) -> PartitionedValue:
-            # The reshard cache: every layout a value reaches (the target and each
-            # intermediate step) is kept and reused, as planner.predicted_collectives assumes.
-            hit = cache.get((vid, target))
-            if hit is None:
-                with jax.named_scope(f"{where}/ssr{vid}"):
-                    hit = src.reshard(target, cache=lambda v: cache.setdefault((vid, v.sharding), v),
-                                      cached=lambda t: cache.get((vid, t)))
-            return hit
-
-        def demand_pv(vid: int, target: Sharding, where: str) -> PartitionedValue:
-            return reshard_from(vid, env[vid], target, where)
-
-        def demand(vid: int, target: Sharding, where: str):
-            return demand_pv(vid, target, where).local
-
+        tag, out_tag = ("ss", "ssout") if not scope else ("b", "bout")
         for lo in lowered:
             op = lo.op
-            where = f"{scope}{op.id}"
+            where = f"{tag}{op.id}"
+            self._execute(self.schedule.at(Site(scope, OPERANDS, op.id)), table, {}, where)
+            targets = lo.plan.operands if lo.strategy is None else lo.strategy.operands
+            operands = []
+            for x, t in zip(op.inputs, targets):
+                if isinstance(x, Lit):
+                    operands.append(jnp.asarray(x.value) if lo.strategy is None else x.value)
+                else:
+                    operands.append(table[(x, t)].local)
             if lo.strategy is None:  # a scan planned with its body
-                operands = []
-                for k, x in enumerate(op.inputs):
-                    if isinstance(x, Lit):
-                        operands.append(jnp.asarray(x.value))
-                    else:
-                        operands.append(demand(x, lo.plan.operands[k], where))
-                hoisted = self._hoist(graph, lo, demand_pv, reshard_from, where)
+                hoisted = self._loop_invariants(scope, graph, lo, table, where)
                 with jax.named_scope(where):
-                    results = self._scan(graph, lo, operands, hoisted)
+                    results = self._scan(scope, graph, lo, operands, hoisted)
                 shardings = lo.plan.results
             else:
-                strategy = lo.strategy
-                operands = []
-                for k, x in enumerate(op.inputs):
-                    operands.append(x.value if isinstance(x, Lit) else demand(x, strategy.operands[k], where))
                 with jax.named_scope(where):
-                    results = run_local(lo.view, lo.rule, strategy, mesh, operands, jax.lax.axis_index)
-                shardings = strategy.results
+                    results = run_local(lo.view, lo.rule, lo.strategy, mesh, operands, jax.lax.axis_index)
+                shardings = lo.strategy.results
             for vid, local, s in zip(op.outputs, results, shardings):
-                env[vid] = self._pv(graph, vid, local, s)
-
+                self._define(table, graph, vid, local, s)
         outs = []
         for k, (x, s) in enumerate(zip(graph.outputs, out_targets)):
             if isinstance(x, Lit):
                 outs.append(jnp.broadcast_to(jnp.asarray(x.value), s.local_shape(np.shape(x.value), mesh)))
             else:
-                outs.append(demand(x, s, f"{out_scope}{k}"))
+                self._execute(self.schedule.at(Site(scope, OUTPUT, k)), table, {}, f"{out_tag}{k}")
+                outs.append(table[(x, s)].local)
         return outs
 
-    def _hoist(self, graph: Graph, lo: LoweredOp, demand_pv: Callable, reshard_from: Callable,
-               where: str) -> dict[tuple[int, Sharding], Any]:
-        """The layouts a scan's body reads its loop invariants in, made once before the loop.
+    def _loop_invariants(self, scope: Scope, graph: Graph, lo: LoweredOp, table: Layouts,
+                         where: str) -> dict[tuple[int, Sharding], Any]:
+        """The scan's ``LOOP_INVARIANTS`` demands, run before its loop: local shards by (body value, sharding).
 
-        ``planner.loop_invariant_demands`` lists them. A const is resharded from
-        the scan's operand with the enclosing scope's cache (``reshard_from``,
-        scope ``{where}/ssr{value}``), so what another scan or op already made is
-        reused; a literal const or a closed-over constant of the body with this
-        scan's own cache (scope ``{where}/bconst{body value}``). Returns the local
-        shards keyed by (body value, sharding), for the body's reshard cache.
+        A const read from an outer value is resharded in ``table``; a literal
+        const or a closed-over constant of the body starts from its own planned
+        layout, in a table of this scan's own (``own``).
         """
-        from shardsolve.planner import loop_invariant_demands
-
         op = lo.op
         body = graph.body(op)
-        b = _Boundary.of(graph, lo)
-        operand_targets = [bl.plan.operands if bl.strategy is None else bl.strategy.operands for bl in lo.body]
-        own: dict[tuple[int, Sharding], PartitionedValue] = {}
-        out: dict[tuple[int, Sharding], Any] = {}
-        for bvid, target in loop_invariant_demands(body, b.n_consts, operand_targets, b.carry + b.ys):
-            if bvid in body.inputs[:b.n_consts]:
-                k = body.inputs.index(bvid)
-                start_s, x = b.consts[k], op.inputs[k]
-                if target == start_s:
-                    continue
-                if not isinstance(x, Lit):
-                    out[(bvid, target)] = reshard_from(x, demand_pv(x, start_s, where), target, where).local
-                    continue
-                start = self._pv(body, bvid, jnp.asarray(x.value), start_s)
-            else:
-                k = body.consts.index(bvid)
-                start_s = b.body_consts[k]
-                if target == start_s:
-                    continue
-                start = self._body_const(body, k, start_s)
-            hit = own.get((bvid, target))
-            if hit is None:
-                with jax.named_scope(f"{where}/bconst{bvid}"):
-                    hit = start.reshard(target, cache=lambda v, bvid=bvid: own.setdefault((bvid, v.sharding), v),
-                                        cached=lambda t, bvid=bvid: own.get((bvid, t)))
-            out[(bvid, target)] = hit.local
-        return out
+        b = ScanBoundary.of(op, lo.plan.operands, lo.plan.results, lo.plan.body_consts, body)
+        demands = self.schedule.at(Site(scope, LOOP_INVARIANTS, op.id))
+        starts = dict(zip(body.inputs, b.body_inputs)) | dict(zip(body.consts, b.body_consts))
+        own: Layouts = {}
+        for d in demands:
+            if d.scope != d.site.scope and (d.value, starts[d.value]) not in own:  # a value of the body
+                own[(d.value, starts[d.value])] = self._invariant(body, op, d.value, starts[d.value])
+        self._execute(demands, table, own, where)
+        return {(d.into, d.target): (own if d.scope != d.site.scope else table)[(d.value, d.target)].local
+                for d in demands}
+
+    def _invariant(self, body: Graph, op: Op, bvid: int, start: Sharding) -> PartitionedValue:
+        """A literal const or a closed-over constant of the body, laid out as ``start`` (no collective)."""
+        if bvid in body.consts:
+            return self._body_const(body, body.consts.index(bvid), start)
+        k = body.inputs.index(bvid)
+        return self._pv(body, bvid, jnp.asarray(op.inputs[k].value), start)
 
     def _body_const(self, body: Graph, k: int, sharding: Sharding) -> PartitionedValue:
         """The ``k``-th closed-over constant of ``body``, cut to ``sharding`` from the global array (no collective)."""
@@ -447,84 +431,37 @@ class _Rewriter:
         whole = self._pv(body, vid, jnp.asarray(body.const_values[k]), Sharding.replicated(len(body.values[vid].shape)))
         return whole.reshard(sharding) if sharding != whole.sharding else whole
 
-    def _scan(self, graph: Graph, lo: LoweredOp, operands: list, hoisted: dict[tuple[int, Sharding], Any]) -> list:
+    def _scan(self, scope: Scope, graph: Graph, lo: LoweredOp, operands: list,
+              hoisted: dict[tuple[int, Sharding], Any]) -> list:
         """``jax.lax.scan`` over local shards, its body lowered like the program (scopes ``b{k}``).
 
-        The plan fixes the boundary: consts and carry enter as they are in the
-        body (carry in == carry out), xs and ys are stacked with their leading
-        dimension unsplit. ``hoisted`` holds the loop invariants' layouts made
-        before the loop (``_hoist``): the body reads them from its cache.
+        The plan fixes the boundary (``ScanBoundary``): consts and carry enter as
+        they are in the body (carry in == carry out), xs and ys are stacked.
+        ``hoisted`` holds the loop invariants' layouts made before the loop: the
+        body finds them in its table.
         """
         op = lo.op
         p = op.params
         body = graph.body(op)
-        b = _Boundary.of(graph, lo)
-        n_consts, n_carry = b.n_consts, len(b.carry)
+        b = ScanBoundary.of(op, lo.plan.operands, lo.plan.results, lo.plan.body_consts, body)
+        n_consts, n_carry = len(b.consts), len(b.carry)
         consts_l, carry_l, xs_l = operands[:n_consts], operands[n_consts:n_consts + n_carry], operands[n_consts + n_carry:]
+        inner = scope + (op.id,)
 
         def step(carry, xs):
-            ins = [self._pv(body, vid, x, s) for vid, x, s in
-                   zip(body.inputs, list(consts_l) + list(carry) + list(xs), b.consts + b.carry + b.xs)]
-            consts = [self._body_const(body, k, s) for k, s in enumerate(b.body_consts)]
-            preset = {(vid, s): self._pv(body, vid, local, s) for (vid, s), local in hoisted.items()}
-            outs = self._lower_graph(body, lo.body, ins, consts, "b", b.carry + b.ys, "bout", preset)
+            table: Layouts = {}
+            for vid, x, s in zip(body.inputs, list(consts_l) + list(carry) + list(xs), b.body_inputs):
+                self._define(table, body, vid, x, s)
+            for k, s in enumerate(b.body_consts):
+                table[(body.consts[k], s)] = self._body_const(body, k, s)
+            for (vid, s), local in hoisted.items():
+                self._define(table, body, vid, local, s)
+            outs = self._lower_graph(inner, body, lo.body, table, b.body_outputs)
             return outs[:n_carry], outs[n_carry:]
 
         kw = {"reverse": bool(p.get("reverse", False)), "unroll": p.get("unroll", 1)}
         new_carry, ys = jax.lax.scan(step, list(carry_l), list(xs_l), length=int(p["length"]), **kw)
         return list(new_carry) + list(ys)
-
-
-@dataclass(frozen=True)
-class _Boundary:
-    """A planned scan's shardings as its body sees them: consts, carry, x- and y-slices, closed-over constants."""
-
-    n_consts: int
-    consts: list
-    carry: list
-    xs: list
-    ys: list
-    body_consts: list
-
-    @classmethod
-    def of(cls, graph: Graph, lo: LoweredOp) -> _Boundary:
-        op, op_plan = lo.op, lo.plan
-        body = graph.body(op)
-        n_consts, n_carry = int(op.params["num_consts"]), int(op.params["num_carry"])
-        boundary = op_plan.operands
-        body_consts = list(getattr(op_plan, "body_consts", ()) or ())
-        body_consts += [Sharding.replicated(len(body.values[v].shape)) for v in body.consts[len(body_consts):]]
-        return cls(
-            n_consts,
-            list(boundary[:n_consts]),
-            list(boundary[n_consts:n_consts + n_carry]),
-            [Sharding(s.dims[1:]) for s in boundary[n_consts + n_carry:]],
-            [Sharding(s.dims[1:]) for s in op_plan.results[n_carry:]],
-            body_consts,
-        )
-
-
-def _const_shardings(plan) -> dict[int, Sharding]:
-    """The planned sharding of each closed-over constant (replicated where the plan does not say)."""
-    graph = plan.graph
-    planned = tuple(getattr(plan, "consts", ()) or ())
-    out = {}
-    for k, vid in enumerate(graph.consts):
-        out[vid] = planned[k] if k < len(planned) else Sharding.replicated(len(graph.values[vid].shape))
-    return out
-
-
-def _require(plan) -> None:
-    if plan.graph is None or plan.fun is None:
-        raise ShardsolveError(
-            "this plan is not bound to a function; use shardsolve.load_plan(path, fun, *args) or plan.bind(fun, *args)"
-        )
-    mesh = plan.mesh.jax_mesh()
-    if not isinstance(mesh, jax.sharding.Mesh):
-        raise ShardsolveError(
-            f"lowering needs {plan.mesh.size} devices for mesh {plan.mesh}, but only {len(jax.devices())} are "
-            "present; run on more devices (or set XLA_FLAGS=--xla_force_host_platform_device_count=N on CPU)"
-        )
 
 
 def lower(plan) -> Callable:
@@ -538,14 +475,13 @@ def lower(plan) -> Callable:
     program's ``Lowered`` (arguments may be ``ShapeDtypeStruct``s) and ``.flat``
     the jitted function over flat arguments.
     """
-    _require(plan)
-    mesh = plan.mesh.jax_mesh()
+    plan.require_bound()
+    mesh = plan.mesh.devices_mesh("lowering")
     graph: Graph = plan.graph
     traced = graph.traced
     lowered = op_strategies(plan)
-    const_shardings = _const_shardings(plan)
-    rewriter = _Rewriter(plan, lowered, const_shardings)
-    consts = [const_shardings[v] for v in graph.consts]
+    rewriter = _Rewriter(plan, lowered, plan.schedule())
+    consts = rewriter.consts()
     # JAX lays out only even splits: uneven arguments and outputs cross the boundary evened (see _Rewriter.run).
     in_specs = tuple(s.evened(graph.values[v].shape, plan.mesh).to_spec() for v, s in zip(graph.inputs, plan.inputs))
     in_specs += tuple(s.to_spec() for s in consts)

@@ -193,6 +193,22 @@ class MeshSpec:
         arr = np.array(devices[: self.size], dtype=object).reshape(tuple(a.size for a in self.axes))
         return jax.sharding.Mesh(arr, self.names)
 
+    def devices_mesh(self, what: str, devices=None):
+        """``jax_mesh(devices)``, refused in one line when fewer than ``size`` devices are present.
+
+        ``what`` names the caller in the message, e.g. ``"lowering"`` or ``"plan.jit()"``.
+        """
+        import jax
+
+        mesh = self.jax_mesh(devices)
+        if not isinstance(mesh, jax.sharding.Mesh):
+            present = len(jax.devices()) if devices is None else len(list(devices))
+            raise ShardsolveError(
+                f"{what} needs {self.size} devices for mesh {self}, but only {present} are present; run on more "
+                f"devices (or set XLA_FLAGS=--xla_force_host_platform_device_count={self.size} on CPU)"
+            )
+        return mesh
+
 
 def as_mesh_spec(mesh: Any) -> MeshSpec:
     """Accept a ``MeshSpec``, a ``jax`` ``Mesh``/``AbstractMesh`` or ``"data=2,model=4"``."""

@@ -15,16 +15,23 @@ checks that the function's signature matches the file.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from shardsolve.cost import collective_time
 from shardsolve.errors import ShardsolveError
+from shardsolve.export import named_tree, plan_jit
 from shardsolve.files import write_atomically
+from shardsolve.graph import Graph
 from shardsolve.mesh import MeshAxis, MeshSpec
+from shardsolve.schedule import Schedule, build_schedule
 from shardsolve.sharding import Sharding
+from shardsolve.trace import trace
+from shardsolve.version import __version__
 
 PLAN_FORMAT = "shardsolve-plan"
 PLAN_VERSION = 1
@@ -73,6 +80,19 @@ class PredictedCollective:
             Sharding.from_json(d["src"]), Sharding.from_json(d["dst"]), d["producer"], d["consumer"],
             Sharding.from_json(d["target"]), int(d.get("repeats", 1)),
         )
+
+
+def predicted_collectives(schedule: Schedule, mesh: MeshSpec,
+                          time: Callable[[str, tuple[str, ...], int, MeshSpec], float] = collective_time,
+                          ) -> tuple[PredictedCollective, ...]:
+    """The schedule's collective steps, priced: ``time(kind, axes, bytes, mesh)`` per run, times its repeats."""
+    return tuple(
+        PredictedCollective(
+            step.kind, step.axes, step.bytes, time(step.kind, step.axes, step.bytes, mesh) * d.repeats,
+            d.anchor, d.value_name, step.src, step.dst, d.producer, d.consumer, d.target, d.repeats,
+        )
+        for d, step in schedule.collective_steps()
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -231,8 +251,6 @@ class Plan:
         ``plan.jit()`` and ``shardsolve.lower(plan)`` take it so and cut it to the
         planned padded shards inside, without communication.
         """
-        from shardsolve.export import named_tree
-
         return named_tree(self, self.inputs, "in")
 
     @property
@@ -244,21 +262,14 @@ class Plan:
         (the reshard is among ``collectives``), so a ``carry`` tie to an
         uneven argument closes the loop.
         """
-        from shardsolve.export import named_tree
-
         return named_tree(self, self.outputs, "out")
 
     def jit(self, **jit_kwargs) -> Callable:
         """``jax.jit`` of the function with the plan's in/out shardings and every intermediate pinned."""
-        from shardsolve.export import plan_jit
-
         return plan_jit(self, **jit_kwargs)
 
     def bind(self, fun: Callable, *args: Any) -> Plan:
         """Attach a function to a loaded plan, checking its signature against the plan's."""
-        from shardsolve.graph import Graph
-        from shardsolve.trace import trace
-
         traced = trace(fun, *args)
         problem = self.signature.mismatch(Signature.of(traced))
         if problem:
@@ -268,7 +279,20 @@ class Plan:
             raise ShardsolveError(
                 "this plan was made for a different function: its operations differ; plan it again"
             )
-        return _replace(self, fun=fun, graph=graph)
+        return dataclasses.replace(self, fun=fun, graph=graph)
+
+    def schedule(self) -> Schedule:
+        """The plan's reshard schedule (``shardsolve.schedule``): what ``collectives`` price and the rewriter runs."""
+        self.require_bound()
+        return build_schedule(self.graph, self.mesh, self.inputs, self.consts, self.outputs, self.ops)
+
+    def require_bound(self) -> None:
+        """Refuse, in one line, a plan that is not bound to its function (a plan loaded without one)."""
+        if self.graph is None or self.fun is None:
+            raise ShardsolveError(
+                "this plan is not bound to a function; use shardsolve.load_plan(path, fun, *args) or "
+                "plan.bind(fun, *args)"
+            )
 
     @property
     def fallback_count(self) -> int:
@@ -277,12 +301,10 @@ class Plan:
     # -- JSON ---------------------------------------------------------------
 
     def to_json(self) -> dict:
-        import shardsolve
-
         return {
             "format": PLAN_FORMAT,
             "version": PLAN_VERSION,
-            "shardsolve": shardsolve.__version__,
+            "shardsolve": __version__,
             "source": self.source,
             "mesh": {
                 "axes": [
@@ -308,14 +330,12 @@ class Plan:
 
     @classmethod
     def from_json(cls, d: dict, *, where: str = "plan") -> Plan:
-        import shardsolve
-
         if not isinstance(d, dict) or d.get("format") != PLAN_FORMAT:
             raise ShardsolveError(f"{where} is not a shardsolve plan file (no 'format': '{PLAN_FORMAT}')")
         if d.get("version") != PLAN_VERSION:
             raise ShardsolveError(
                 f"{where} has plan format version {d.get('version')} (written by shardsolve "
-                f"{d.get('shardsolve', '?')}); this is shardsolve {shardsolve.__version__}, which reads version "
+                f"{d.get('shardsolve', '?')}); this is shardsolve {__version__}, which reads version "
                 f"{PLAN_VERSION}: plan the model again"
             )
         try:
@@ -365,12 +385,6 @@ def _is_timing(key: str) -> bool:
     return "time" in key or (key.endswith("_s") and "deterministic" not in key)
 
 
-def _replace(plan: Plan, **changes) -> Plan:
-    import dataclasses
-
-    return dataclasses.replace(plan, **changes)
-
-
 def load_plan(path: str | os.PathLike, fun: Callable | None = None, *args: Any) -> Plan:
     """Read a plan file; with ``fun`` and example ``args``, bind it to that function (signature checked)."""
     path = Path(path)
@@ -384,10 +398,3 @@ def load_plan(path: str | os.PathLike, fun: Callable | None = None, *args: Any) 
     if fun is not None:
         plan = plan.bind(fun, *args)
     return plan
-
-
-def tree_of(plan: Plan, which: str) -> Any:
-    """The live pytree structure of the plan's arguments or outputs (needs a bound plan)."""
-    if plan.graph is None or plan.graph.traced is None:
-        return None
-    return plan.graph.traced.in_tree if which == "in" else plan.graph.traced.out_tree

@@ -377,10 +377,7 @@ def _jax_differences(plan, found: Sequence[HloCollective]) -> list[Difference]:
 
 def verify(plan, *args: Any, rtol: float | None = None, atol: float | None = None) -> VerifyReport:
     """Numerics and collective inventories of ``plan`` for ``args`` (see the module docstring)."""
-    if plan.graph is None or plan.fun is None:
-        raise ShardsolveError(
-            "this plan is not bound to a function; use shardsolve.load_plan(path, fun, *args) or plan.bind(fun, *args)"
-        )
+    plan.require_bound()
     leaves = check_arguments(plan, args)
     abstract = any(_is_abstract(x) for x in leaves)
     lowered_fn = lower(plan)

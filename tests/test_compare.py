@@ -14,8 +14,8 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import shardsolve
-from shardsolve.compare import Comparison, communication_time, gspmd_propagation, hlo_collective_time
-from shardsolve.cost import collective_time, compute_time
+from shardsolve.compare import Comparison, gspmd_propagation
+from shardsolve.cost import collective_time, communication_time, compute_time, hlo_collective_time
 from shardsolve.explain import Explanation, explain, explain_column, explain_conflicts, split_op_name, tiles
 from shardsolve.hlo import HloCollective
 from shardsolve.mesh import MeshSpec

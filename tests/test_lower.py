@@ -234,16 +234,11 @@ def _two_scans(w, x):
 
 def _invariant_layouts(plan) -> list[set]:
     """Per planned scan: the layouts its body reads its consts in, other than the ones they enter in."""
-    from shardsolve.planner import loop_invariant_demands
+    from shardsolve.schedule import LOOP_INVARIANTS, Site
 
-    out = []
-    for op, o in zip(plan.graph.ops, plan.ops):
-        if o.length:
-            body, n, n_carry = plan.graph.body(op), int(op.params["num_consts"]), int(op.params["num_carry"])
-            ends = list(o.results[:n_carry]) + [Sharding(s.dims[1:]) for s in o.results[n_carry:]]
-            demands = loop_invariant_demands(body, n, [b.operands for b in o.body], ends)
-            out.append({t for v, t in demands if v in body.inputs and t != o.operands[body.inputs.index(v)]})
-    return out
+    schedule = plan.schedule()
+    return [{d.target for d in schedule.at(Site((), LOOP_INVARIANTS, op.id)) if d.scope == ()}
+            for op, o in zip(plan.graph.ops, plan.ops) if o.length]
 
 
 def test_two_scans_share_the_hoisted_reshard_of_a_closed_over_value():

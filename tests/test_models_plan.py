@@ -23,7 +23,7 @@ def test_model_plan_matches_unsharded(models_dir, name):
     )
     assert plan.status in ("optimal", "feasible")
     # Annotations are respected exactly.
-    from shardsolve.planner import broadcast_annotations
+    from shardsolve.annotations import broadcast_annotations
 
     tree = jax.tree_util.tree_structure(model.args)
     for got, ann in zip(plan.inputs, broadcast_annotations(model.in_shardings, tree, "in_shardings")):

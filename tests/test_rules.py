@@ -12,7 +12,8 @@ from jax import lax
 
 from shardsolve.mesh import MeshSpec
 from shardsolve.rules import RULES, fallback_rule, rule_for
-from shardsolve.rules.base import OpView, Rule
+from shardsolve.graph import OpView
+from shardsolve.rules.base import Rule
 from shardsolve.rules.structural import factorize_reshape
 from shardsolve.rules.validate import find_equation, op_view
 

@@ -12,7 +12,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import shardsolve
-from shardsolve import planner
+from shardsolve.build import build_problem
 from shardsolve.plan import Plan
 from shardsolve.problem import FORBIDDEN
 from shardsolve.sharding import Sharding
@@ -72,10 +72,10 @@ def test_scan_plan_matches_numerics(planned):
     _close(plan.jit()(*args), jax.jit(_layers)(*args))
 
 
-def test_scan_plan_no_worse_than_fallback(planned, monkeypatch):
+def test_scan_plan_no_worse_than_fallback(planned):
     plan, args = planned
-    monkeypatch.setattr(planner, "EXPAND_SCAN", False)
-    old = shardsolve.plan(_layers, *args, mesh=MESH, in_shardings=(None, None, P("data")), time_limit=10)
+    old = shardsolve.plan(_layers, *args, mesh=MESH, in_shardings=(None, None, P("data")), time_limit=10,
+                          expand_scans=False)
     assert old.fallbacks == (("scan", 1),)
     assert plan.cost.total <= old.cost.total * (1 + 1e-9)
     assert plan.cost.total == pytest.approx(plan.cost.compute + plan.cost.communication)
@@ -131,7 +131,7 @@ def _body_edges(length):
 
     w, x = jnp.ones((16, 16)), jnp.ones((32, 16))
     graph = Graph.from_traced(trace(partial(_scan_reads, length=length), w, x))
-    built = planner.build_problem(graph, MeshSpec.parse(MESH), [(None, "")] * 2, [(None, "")])
+    built = build_problem(graph, MeshSpec.parse(MESH), [(None, "")] * 2, [(None, "")])
     (sn,) = built.scans.values()
     body_nodes = {idx: sn.body.ops[op_id].primitive for op_id, idx in sn.op_node.items()}
     out = {}

@@ -274,7 +274,8 @@ def test_planner_problem_is_proven_optimal():
     import shardsolve
     from shardsolve.graph import Graph
     from shardsolve.mesh import MeshSpec
-    from shardsolve.planner import _to_sharding, broadcast_annotations, build_problem, carry_pairs
+    from shardsolve.annotations import broadcast_annotations, carry_pairs, to_sharding as _to_sharding
+    from shardsolve.build import build_problem
     from shardsolve.trace import trace
 
     m = shardsolve.load_model("models/mlp.py:mlp", "small")

@@ -21,8 +21,6 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import shardsolve
-import shardsolve.rules.base as rules_base
-import shardsolve.rules.local as rules_local
 from shardsolve.cost import reshard_steps
 from shardsolve.errors import ShardsolveError
 from shardsolve.mesh import MeshSpec
@@ -104,7 +102,7 @@ def test_uneven_output_pays_for_leaving_evened():
     """The output edge prices the reshard from the producer straight to the evened layout."""
     from shardsolve.cost import reshard_time
     from shardsolve.graph import Graph
-    from shardsolve.planner import build_problem
+    from shardsolve.build import build_problem
     from shardsolve.trace import trace
 
     x = jax.ShapeDtypeStruct((10, 6), jnp.float32)
@@ -179,13 +177,13 @@ def test_compound_reshape_dimensions_stay_even():
     assert all(s.operands[0].divides((10, 3), SPEC) for s in rule.strategies(SPEC))
 
 
-def test_validator_catches_padding_read_by_a_reduction(monkeypatch):
+def test_validator_catches_padding_read_by_a_reduction():
     """Without the identity fill, a contraction over an uneven split sums the padding."""
-    monkeypatch.setattr(rules_local, "_clear_reduced_padding", lambda op, rule, s, mesh, operands, ai: operands)
     eqn = find_equation(lambda a, b: a @ b, jnp.ones((6, 10)), jnp.ones((10, 3)), primitive="dot_general")
     rule, strategies = _uneven_strategies(eqn, SPEC)
     split_k = [s for s in strategies if s.axes_of(rule.reduction[0])]
-    assert split_k and len(check_many(eqn, rule, split_k, SPEC)) == len(split_k)
+    assert split_k and len(check_many(eqn, rule, split_k, SPEC, clear_padding=False)) == len(split_k)
+    assert not check_many(eqn, rule, split_k, SPEC)  # with it, every one of them is right
 
 
 # -- planner: pins ---------------------------------------------------------------------------------
@@ -322,7 +320,7 @@ def test_uneven_plan_round_trips_through_json(tmp_path):
 def test_memory_counts_padded_shards_and_evened_arguments():
     """An op's uneven result costs its padded shard per device; an uneven argument its evened buffer."""
     from shardsolve.graph import Graph
-    from shardsolve.planner import build_problem
+    from shardsolve.build import build_problem
     from shardsolve.trace import trace
 
     x = jax.ShapeDtypeStruct((10, 6), jnp.float32)
@@ -364,7 +362,7 @@ def _heavy(x):
     return jnp.sum(jnp.tanh(x) * 2.0, axis=1)
 
 
-def test_solver_picks_uneven_split_where_it_pays(monkeypatch):
+def test_solver_picks_uneven_split_where_it_pays():
     """1002 rows and columns on data=2,model=4: 1002 = 2 x 501, so model (4) splits nothing evenly.
 
     The best even plan works on halves; the uneven plan splits the columns over
@@ -372,9 +370,7 @@ def test_solver_picks_uneven_split_where_it_pays(monkeypatch):
     """
     x = _rand((1002, 1002))
     plan = shardsolve.plan(_heavy, x, mesh=MESH)
-    monkeypatch.setattr(rules_base, "UNEVEN", False)
-    even = shardsolve.plan(_heavy, x, mesh=MESH)
-    monkeypatch.setattr(rules_base, "UNEVEN", True)
+    even = shardsolve.plan(_heavy, x, mesh=MESH, uneven=False)
     assert even.status == plan.status == "optimal"
     assert not _uneven_ops(even)
     assert _uneven_ops(plan)

@@ -5,7 +5,7 @@
 ``fallback_rule(op)`` (every dimension needs replication) and reports the
 primitive as a fallback.
 
-    >>> from shardsolve.rules.base import OpView
+    >>> from shardsolve.graph import OpView
     >>> op = OpView("dot_general", {"dimension_numbers": (((1,), (0,)), ((), ()))},
     ...             ((8, 4), (4, 8)), ((8, 8),))
     >>> str(rule_for(op))
@@ -27,9 +27,10 @@ from typing import Callable
 
 import numpy as np
 
+from shardsolve.graph import OpView
 from shardsolve.rules import contraction, elementwise, indexing, reduction, structural
 from shardsolve.rules._builder import RuleBuilder, numel
-from shardsolve.rules.base import OpView, Rule, Strategy
+from shardsolve.rules.base import Rule, Strategy
 
 __all__ = ["RULES", "OpView", "Rule", "Strategy", "fallback_rule", "has_rule", "rule_for"]
 
@@ -54,7 +55,7 @@ def rule_for(op: OpView) -> Rule | None:
     make = RULES.get(op.primitive)
     if make is None:
         return None
-    key = _cache_key(op)
+    key = rule_key(op)
     if key is not None:
         hit = _CACHE.get(key, _MISSING)
         if hit is not _MISSING:
@@ -78,7 +79,8 @@ _CACHE_SIZE = 65536
 _CACHE: dict[tuple, Rule | None] = {}
 
 
-def _cache_key(op: OpView) -> tuple | None:
+def rule_key(op: OpView) -> tuple | None:
+    """What a rule depends on (primitive, shapes, dtypes, parameters), or None when a parameter is unhashable."""
     try:
         key = (
             op.primitive,

@@ -49,10 +49,6 @@ from shardsolve.sharding import Sharding, uneven_split_fits
 
 Dims = tuple[tuple[str, ...], ...]  # per dimension, its factors (major first)
 
-# Offer uneven splits (True), or even splits only (False: the planner's behaviour
-# before uneven support, kept for comparison).
-UNEVEN = True
-
 _FACTOR_TOKEN = re.compile(r"z_\d+|[a-z]")
 
 
@@ -257,14 +253,15 @@ class Rule:
         *,
         allow_partial: bool = True,
         fixed_operands: Sequence[int] = (),
-        allow_uneven: bool | None = None,
+        allow_uneven: bool = True,
     ) -> list[Strategy]:
         """Every valid strategy on ``mesh``, replicated first, in a deterministic order.
 
         ``fixed_operands`` are operands that can never arrive partial
         (literals, constants): linear groups containing them are skipped.
         ``allow_uneven`` admits factors split unevenly (see the module
-        docstring); ``None`` follows ``UNEVEN``.
+        docstring; ``False``: even splits only, the planner's behaviour before
+        uneven support, kept for comparison).
         """
         axes = [a for a in mesh.axes if a.size > 1]
         factors = self.splittable()
@@ -272,7 +269,7 @@ class Rule:
         if allow_partial and self.reduce_op == "sum":
             groups = [g for g in self.linear if not set(g) & set(fixed_operands)]
         options: list[Any] = [None] + list(factors) + [("partial", k) for k in range(len(groups))]
-        uneven = self.sole_factors() if (UNEVEN if allow_uneven is None else allow_uneven) else frozenset()
+        uneven = self.sole_factors() if allow_uneven else frozenset()
         out: list[Strategy] = []
         for choice in itertools.product(options, repeat=len(axes)):
             strategy = self._strategy(mesh, axes, choice, groups, uneven)
@@ -354,16 +351,3 @@ def _factor_key(name: str) -> tuple[int, int | str]:
     if name.startswith("z_"):
         return (1, int(name[2:]))
     return (0, factor_names(25).index(name) if name in factor_names(25) else name)
-
-
-@dataclass(frozen=True, slots=True)
-class OpView:
-    """What a rule needs to know about one operation."""
-
-    primitive: str
-    params: dict = field(hash=False, compare=False)
-    in_shapes: tuple[tuple[int, ...], ...]
-    out_shapes: tuple[tuple[int, ...], ...]
-    in_dtypes: tuple[Any, ...] = ()
-    out_dtypes: tuple[Any, ...] = ()
-    prim: Any = field(default=None, hash=False, compare=False)  # the JAX primitive, for re-binding

@@ -16,8 +16,9 @@ from __future__ import annotations
 import math
 from typing import Callable
 
+from shardsolve.graph import OpView
 from shardsolve.rules._builder import RuleBuilder
-from shardsolve.rules.base import OpView, Rule
+from shardsolve.rules.base import Rule
 
 
 def dot_general_rule(op: OpView) -> Rule:

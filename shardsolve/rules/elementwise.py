@@ -19,8 +19,9 @@ from __future__ import annotations
 
 from typing import Callable, Sequence
 
+from shardsolve.graph import OpView
 from shardsolve.rules._builder import RuleBuilder, numel
-from shardsolve.rules.base import OpView, Rule
+from shardsolve.rules.base import Rule
 
 Linear = tuple[tuple[int, ...], ...]
 NONE: Linear = ()

@@ -33,8 +33,9 @@ from __future__ import annotations
 
 from typing import Callable
 
+from shardsolve.graph import OpView
 from shardsolve.rules._builder import RuleBuilder, numel
-from shardsolve.rules.base import OpView, Rule
+from shardsolve.rules.base import Rule
 
 
 def _is_bool(dtype: object) -> bool:

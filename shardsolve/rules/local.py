@@ -36,8 +36,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
+from shardsolve.graph import OpView
 from shardsolve.mesh import MeshSpec
-from shardsolve.rules.base import OpView, Rule, Strategy
+from shardsolve.rules.base import Rule, Strategy
 
 AxisIndex = Callable[[str], Any]
 
@@ -102,10 +103,17 @@ def run_local(
     mesh: MeshSpec,
     operands: list,
     axis_index: AxisIndex,
+    *,
+    clear_padding: bool = True,
 ) -> list:
-    """Each result's local shard, from each operand's local shard (see the module docstring)."""
+    """Each result's local shard, from each operand's local shard (see the module docstring).
+
+    ``clear_padding=False`` leaves the padding of unevenly split reduction
+    factors as it is (for the validator's own test: a reduction then sums it).
+    """
     kernel = KERNELS.get(op.primitive, _rebind)
-    operands = _clear_reduced_padding(op, rule, strategy, mesh, list(operands), axis_index)
+    if clear_padding:
+        operands = _clear_reduced_padding(op, rule, strategy, mesh, list(operands), axis_index)
     return kernel(LocalCall(op, rule, strategy, mesh, axis_index), operands)
 
 

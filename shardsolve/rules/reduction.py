@@ -17,8 +17,9 @@ from __future__ import annotations
 import math
 from typing import Callable
 
+from shardsolve.graph import OpView
 from shardsolve.rules._builder import RuleBuilder, numel
-from shardsolve.rules.base import OpView, Rule
+from shardsolve.rules.base import Rule
 
 
 def _reduce(op: OpView, *, combine: str | None, linear: bool) -> Rule:

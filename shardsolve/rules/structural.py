@@ -23,8 +23,9 @@ from __future__ import annotations
 import math
 from typing import Callable, Sequence
 
+from shardsolve.graph import OpView
 from shardsolve.rules._builder import RuleBuilder
-from shardsolve.rules.base import OpView, Rule
+from shardsolve.rules.base import Rule
 
 LINEAR0 = ((0,),)
 

@@ -33,9 +33,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
+from shardsolve.graph import OpView
 from shardsolve.mesh import MeshSpec
 from shardsolve.rules import fallback_rule, rule_for
-from shardsolve.rules.base import OpView, Rule, Strategy
+from shardsolve.rules.base import Rule, Strategy
 from shardsolve.rules.local import run_local
 from shardsolve.sharding import Sharding
 
@@ -43,18 +44,19 @@ from shardsolve.sharding import Sharding
 # -- equations ----------------------------------------------------------------
 
 
-def _walk(jaxpr) -> Iterator[Any]:
+def equations(jaxpr) -> Iterator[Any]:
+    """Every equation of ``jaxpr``, those of nested calls (``jaxpr``/``call_jaxpr`` parameters) before the call."""
     for eqn in jaxpr.eqns:
         for key in ("jaxpr", "call_jaxpr"):
             sub = eqn.params.get(key)
             if sub is not None:
-                yield from _walk(getattr(sub, "jaxpr", sub))
+                yield from equations(getattr(sub, "jaxpr", sub))
         yield eqn
 
 
 def find_equation(fn: Callable, *args: Any, primitive: str, index: int = 0):
     """The ``index``-th equation of ``primitive`` in ``fn``'s jaxpr (nested calls included)."""
-    found = [e for e in _walk(jax.make_jaxpr(fn)(*args).jaxpr) if e.primitive.name == primitive]
+    found = [e for e in equations(jax.make_jaxpr(fn)(*args).jaxpr) if e.primitive.name == primitive]
     if len(found) <= index:
         raise LookupError(f"no equation #{index} of {primitive!r} in the jaxpr of {fn}")
     return found[index]
@@ -170,7 +172,8 @@ def _padded(value: np.ndarray, sharding: Sharding, mesh: MeshSpec) -> np.ndarray
     return out
 
 
-def _prepare(op: OpView, rule: Rule, strategy: Strategy, mesh: MeshSpec, jax_mesh, operands, rng) -> _Prepared:
+def _prepare(op: OpView, rule: Rule, strategy: Strategy, mesh: MeshSpec, jax_mesh, operands, rng,
+             clear_padding: bool = True) -> _Prepared:
     ins, in_specs, leads = [], [], []
     for value, sharding in zip(operands, strategy.operands):
         lead = tuple(sharding.partial)
@@ -190,7 +193,7 @@ def _prepare(op: OpView, rule: Rule, strategy: Strategy, mesh: MeshSpec, jax_mes
 
     def local(*xs):
         xs = [x.reshape(x.shape[n:]) for x, n in zip(xs, leads)]
-        outs = run_local(op, rule, strategy, mesh, xs, jax.lax.axis_index)
+        outs = run_local(op, rule, strategy, mesh, xs, jax.lax.axis_index, clear_padding=clear_padding)
         return tuple(o.reshape((1,) * len(e) + o.shape) for o, e in zip(outs, extras))
 
     run = jax.shard_map(local, mesh=jax_mesh, in_specs=tuple(in_specs), out_specs=tuple(out_specs), check_vma=False)
@@ -233,11 +236,13 @@ def check_many(
     int_range: tuple[int, int] = (0, 4),
     rtol: float = 1e-4,
     atol: float = 1e-4,
+    clear_padding: bool = True,
 ) -> list[Mismatch]:
     """Run each of ``strategies`` for ``eqn`` on ``mesh`` and compare with the unsharded result.
 
     All strategies run in one compiled program (compiles dominate the cost);
     when that fails, each runs alone so the failure is pinned to its strategy.
+    ``clear_padding``: passed to ``local.run_local``.
     """
     rng = np.random.default_rng(seed)
     if operands is None:
@@ -245,7 +250,7 @@ def check_many(
     expected = expected_results(eqn, operands)
     op = op_view(eqn)
     jax_mesh = mesh.jax_mesh()
-    prepared = [_prepare(op, rule, s, mesh, jax_mesh, operands, rng) for s in strategies]
+    prepared = [_prepare(op, rule, s, mesh, jax_mesh, operands, rng, clear_padding) for s in strategies]
 
     def run_all(*groups):
         return [p.run(*xs) for p, xs in zip(prepared, groups)]

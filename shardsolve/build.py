@@ -1,0 +1,516 @@
+"""From a traced program to a strategy-selection ``Problem``.
+
+One problem node per decision:
+
+* every argument and closed-over constant: which sharding it arrives in
+  (strategies = candidate shardings; a user annotation pins one);
+* every operation: which strategy of its rule it runs (operand shardings,
+  result shardings, compute time of one device's share);
+* every output: which sharding it leaves in (pinned by ``out_shardings``).
+
+An edge joins a value's producer to each consumer, costing the reshard time
+from the producer's result sharding to the sharding the consumer's strategy
+needs (``cost.reshard_time``; impossible reshards are forbidden). A node's
+memory is the per-device bytes of the values it produces, live from its own
+time step to the last reader's (arguments, constants and outputs stay live
+throughout). So the solver's objective is compute + communication, and the
+memory limit bounds the peak of live bytes per device.
+
+A ``scan`` is expanded (``BuildOptions.expand_scans``): its body's ops become
+nodes once, their costs and internal edges times ``length``, and its boundary
+(consts, one node per carry shared by carry-in, body and carry-out, x/y slices)
+is described in ``ScanNodes``. Reads of loop invariants (the scan's consts,
+the body's closed-over constants) are resharded once, before the loop
+(``schedule.loop_invariant_demands``), so their edges are not multiplied by
+``length``.
+
+``ProblemBuilder`` adds the problem in sections, one method each:
+
+=====================  ===========================================================
+method                 adds
+=====================  ===========================================================
+``add_arguments``      argument and constant nodes, pinned by ``in_shardings``
+``add_ops``            op nodes (``add_op``) and scans (``add_scan``) in program order
+``add_scan``           a scan's boundary nodes (``add_scan_operands``), its body's
+                       closed-over constants, its body's ops, its y-slices
+``read_edge``          the edge from a value's producer to one consumer
+``add_outputs``        output nodes, pinned by ``out_shardings``
+``add_ties``           carry pairs: an argument and its next value share a sharding
+=====================  ===========================================================
+
+    built = build_problem(graph, mesh, in_pins, out_pins, memory_limit=None, ties=())
+    built.problem        # the Problem the solver reads
+    built.nodes[k]       # what node k decides (NodeInfo)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+
+from shardsolve.cost import ReshardTables, reshard_time_given
+from shardsolve.graph import Graph, Lit, Op, ScanBoundary, scan_counts
+from shardsolve.mesh import MeshSpec
+from shardsolve.problem import FORBIDDEN, Edge, Node, Pin, Problem
+from shardsolve.rules import fallback_rule, rule_for
+from shardsolve.rules.base import Rule, Strategy
+from shardsolve.sharding import Sharding, candidate_shardings
+
+Scope = tuple[int, ...]  # () for the program; (k, ...) inside the body of scan op k, ...
+Pins = Sequence[tuple[Sharding | None, str]]
+
+
+@dataclass(frozen=True, slots=True)
+class BuildOptions:
+    """How the problem is built; the defaults are what ``shardsolve.plan`` does.
+
+    ``expand_scans``: plan a scan's body once (``False``: a scan is one op that
+    falls back to replicating its operands, as before scan support; kept for
+    comparison). ``uneven``: offer rule strategies that split a factor unevenly
+    (``False``: even splits only, as before uneven support).
+    """
+
+    expand_scans: bool = True
+    uneven: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class NodeInfo:
+    """What one problem node decides."""
+
+    kind: str  # "input", "const", "op", "output", "scan-const", "scan-carry", "scan-xs", "scan-ys", "scan-body-const"
+    ref: int  # value id (input/const), op id, or output position
+    shardings: tuple[Sharding, ...] = ()  # for input/const/output nodes: strategy -> sharding
+    rule: Rule | None = None
+    strategies: tuple[Strategy, ...] = ()
+    fallback: bool = False
+    scope: Scope = ()
+
+
+@dataclass
+class ScanNodes:
+    """The problem nodes of one scan whose body is planned once.
+
+    * ``const[k]``: the sharding of the k-th const inside the body; its edge
+      from the outer producer is a reshard paid once, before the loop, and so
+      are its edges to the body ops reading it in other layouts (a loop
+      invariant: the rewriter makes each such layout before the loop, see
+      ``schedule.loop_invariant_demands``). ``body_consts`` likewise.
+    * ``carry[k]``: ONE sharding for the k-th carry wherever it appears: the
+      scan's carry-in operand (edge from the outer producer, paid once), the
+      body's carry invar, the body's carry outvar (edge from the body's
+      producer, paid every iteration: the carry leaves each iteration as it
+      entered, a fixed point) and the scan's carry-out result.
+    * ``xs[k]``: the sharding of the k-th x-slice in the body; the scan's xs
+      operand is read stacked (``ScanBoundary.stacked``).
+    * ``ys[k]``: likewise for the k-th y-slice and the scan's ys result (the
+      body's producer reshards into it every iteration).
+
+    Body ops are problem nodes once, their costs and internal edges times
+    ``length`` (times the enclosing scans' lengths when nested), except reads
+    of the loop invariants (``const``, ``body_consts``). Memory: body
+    ops, consts and xs live only during the scan's time step of the enclosing
+    program (all at once, an over-estimate of one iteration's peak, at their
+    per-iteration bytes); carry and ys nodes hold the scan's results and live
+    from that step to their last reader.
+    """
+
+    op: int  # the scan's op id in its graph
+    length: int
+    body: Graph
+    const: list[int] = field(default_factory=list)
+    carry: list[int] = field(default_factory=list)
+    xs: list[int] = field(default_factory=list)
+    ys: list[int] = field(default_factory=list)
+    body_consts: list[int] = field(default_factory=list)  # closed-over constants of the body
+    op_node: dict[int, int] = field(default_factory=dict)  # body op id -> node (expanded scans excluded)
+
+    def boundary(self, nodes: Sequence[NodeInfo], assignment: Sequence[int]) -> ScanBoundary:
+        """The scan's boundary shardings under ``assignment``."""
+        pick = lambda idx: nodes[idx].shardings[assignment[idx]]  # noqa: E731
+        return ScanBoundary(*(tuple(pick(i) for i in group)
+                              for group in (self.const, self.carry, self.xs, self.ys, self.body_consts)))
+
+
+@dataclass
+class Built:
+    problem: Problem
+    nodes: list[NodeInfo]
+    op_node: dict[int, int]  # op id -> node index (expanded scans have no node: see ``scans``)
+    value_node: dict[int, int]  # input/const value id -> node index
+    output_node: dict[int, int]  # output position -> node index
+    scans: dict[Scope, ScanNodes] = field(default_factory=dict)  # scope (scan op ids) -> nodes
+
+    def sharding(self, idx: int, assignment: Sequence[int]) -> Sharding:
+        """The sharding node ``idx`` (an argument, constant, output or scan boundary node) takes."""
+        return self.nodes[idx].shardings[assignment[idx]]
+
+    def op_node_of(self, scope: Scope, op_id: int) -> int:
+        return self.op_node[op_id] if not scope else self.scans[scope].op_node[op_id]
+
+
+def expandable(op: Op) -> bool:
+    """Whether ``op`` is a scan whose body can be planned once."""
+    p = op.params
+    return all(k in p for k in ("jaxpr", "length", "num_consts", "num_carry")) and int(p["length"]) > 0
+
+
+def replicated_scan_time(graph: Graph, op: Op, mesh: MeshSpec) -> float:
+    """Compute time of a scan whose body runs replicated: every body op's replicated strategy, ``length`` times.
+
+    The price of a scan that is not expanded, so that plans with and without
+    expansion are priced alike.
+    """
+    body = graph.body(op)
+    total = 0.0
+    for bop in body.ops:
+        if bop.primitive == "scan" and expandable(bop):
+            total += replicated_scan_time(body, bop, mesh)
+        view = body.view(bop)
+        rule = rule_for(view) or fallback_rule(view)
+        replicated = rule.strategies(mesh, allow_partial=False, fixed_operands=bop.literal_operands)[0]
+        itemsizes = tuple(np.dtype(d).itemsize for d in view.in_dtypes + view.out_dtypes)
+        total += rule.strategy_time(replicated, mesh, itemsizes)
+    return total * int(op.params["length"])
+
+
+def candidates(shape: tuple[int, ...], mesh: MeshSpec, pinned: Sharding | None) -> tuple[Sharding, ...]:
+    """The candidate shardings of an argument or output, the pinned one included."""
+    cands = candidate_shardings(shape, mesh)
+    if pinned is not None and pinned not in cands:
+        cands.append(pinned)
+    return tuple(cands)
+
+
+@dataclass(frozen=True)
+class RuleStrategies:
+    """A rule's strategies with their costs, memory and sharding ids (shared by equal ops)."""
+
+    strategies: tuple[Strategy, ...]
+    costs: np.ndarray
+    usage: np.ndarray
+    labels: tuple[str, ...]
+    operand_ids: tuple[np.ndarray, ...]
+    result_ids: tuple[np.ndarray, ...]
+
+    @classmethod
+    def make(cls, rule: Rule, fixed: tuple[int, ...], itemsizes: tuple[int, ...], mesh: MeshSpec,
+             tables: ReshardTables, uneven: bool = True) -> RuleStrategies:
+        strategies = tuple(rule.strategies(mesh, fixed_operands=fixed, allow_uneven=uneven))
+        n_in = len(rule.operands)
+        costs = np.array([rule.strategy_time(s, mesh, itemsizes) for s in strategies], dtype=np.float64)
+        usage = np.array(
+            [
+                sum(r.local_bytes(rule.result_shape(k), itemsizes[n_in + k], mesh) for k, r in enumerate(s.results))
+                for s in strategies
+            ],
+            dtype=np.float64,
+        )
+        return cls(
+            strategies,
+            costs,
+            usage,
+            tuple(s.describe() for s in strategies),
+            tuple(tables.ids([s.operands[k] for s in strategies]) for k in range(n_in)),
+            tuple(tables.ids([s.results[k] for s in strategies]) for k in range(len(rule.results))),
+        )
+
+
+class ProblemBuilder:
+    """Builds the ``Problem`` of one program, section by section (see the module docstring).
+
+    Values are keyed by (scope, value id): scope ``()`` is the program, ``(k,)``
+    the body of scan op ``k``, ``(k, j)`` the body of scan op ``j`` inside that
+    body, ... ``produced_at`` maps each to its producer node and the sharding
+    of the value under each of the producer's strategies (``ids_at``: as
+    ``ReshardTables`` ids).
+    """
+
+    def __init__(self, graph: Graph, mesh: MeshSpec, options: BuildOptions = BuildOptions()):
+        self.graph = graph
+        self.mesh = mesh
+        self.options = options
+        self.horizon = len(graph.ops) + 2  # t=0 inputs, t=k+1 op k, t=len+1 outputs
+        self.nodes: list[Node] = []
+        self.infos: list[NodeInfo] = []
+        self.pins: list[Pin] = []
+        self.value_node: dict[int, int] = {}
+        self.op_node: dict[int, int] = {}
+        self.output_node: dict[int, int] = {}
+        self.edges: dict[tuple[int, int], np.ndarray] = {}
+        self.tables = ReshardTables(mesh, impossible=FORBIDDEN)
+        self.produced_at: dict[tuple, tuple[int, list[Sharding]]] = {}
+        self.ids_at: dict[tuple, np.ndarray] = {}
+        self.rule_cache: dict[tuple, RuleStrategies] = {}
+        self.scans: dict[Scope, ScanNodes] = {}
+        # A scan's loop invariants (its consts, its body's closed-over constants) are resharded
+        # once, before the loop (see ``schedule.loop_invariant_demands``): their reads cost the scan's scale.
+        self.invariant_scale: dict[tuple, float] = {}
+        self.arguments = set(graph.inputs)
+
+    def build(self, in_pins: Pins, out_pins: Pins, memory_limit: float | None = None,
+              ties: Sequence[tuple[int, int]] = ()) -> Built:
+        self.add_arguments(in_pins)
+        self.add_ops(self.graph, (), 1.0, None, "")
+        self.add_outputs(out_pins)
+        self.add_ties(ties)
+        problem = Problem(
+            tuple(self.nodes),
+            tuple(Edge(u, v, np.minimum(c, FORBIDDEN)) for (u, v), c in self.edges.items()),
+            memory_limit,
+            tuple(self.pins),
+        )
+        return Built(problem, self.infos, self.op_node, self.value_node, self.output_node, self.scans)
+
+    # -- nodes and edges ---------------------------------------------------------------
+
+    def add(self, node: Node, info: NodeInfo) -> int:
+        self.nodes.append(node)
+        self.infos.append(info)
+        return len(self.nodes) - 1
+
+    def produce(self, key: tuple, idx: int, shardings: list[Sharding], ids: np.ndarray | None = None) -> None:
+        """Value ``key`` = (scope, value id) is made by node ``idx``, as ``shardings[s]`` under its strategy ``s``."""
+        self.produced_at[key] = (idx, shardings)
+        self.ids_at[key] = self.tables.ids(shardings) if ids is None else ids
+
+    def add_edge(self, u: int, v: int, table: np.ndarray) -> None:
+        if u == v:  # a scan body handing a carry straight back: same node, same sharding
+            return
+        edges = self.edges
+        if (v, u) in edges:  # a carry node and a body op read each other: one edge per pair
+            u, v, table = v, u, table.T
+        edges[(u, v)] = edges[(u, v)] + table if (u, v) in edges else table
+
+    def read_edge(self, scope: Scope, g: Graph, x: int, dst: np.ndarray, to: int, scale: float) -> None:
+        """Node ``to`` reads value ``x`` of ``g`` in the shardings ``dst`` (ids, per strategy of ``to``)."""
+        scale = self.invariant_scale.get((scope, x), scale)
+        value = g.values[x]
+        producer, srcs = self.produced_at[(scope, x)]
+        mesh = self.mesh
+        if not scope and x in self.arguments and not all(s.divides(value.shape, mesh) for s in srcs):
+            # An uneven argument arrives evened and keeps that layout too: reaching it again is free.
+            shardings = self.tables.shardings
+            table = np.array([[min(reshard_time_given(value.shape, value.itemsize, s, shardings[t], mesh,
+                                                      s.evened(value.shape, mesh)), FORBIDDEN) for t in dst]
+                              for s in srcs], dtype=np.float64)
+        else:
+            table = self.tables.table(value.shape, value.itemsize, self.ids_at[(scope, x)], dst)
+        self.add_edge(producer, to, table * scale if scale != 1 else table)
+
+    # -- arguments, constants, outputs, ties ---------------------------------------------
+
+    def add_arguments(self, in_pins: Pins) -> None:
+        graph, mesh = self.graph, self.mesh
+        for vid, (pinned, label) in [(v, in_pins[k]) for k, v in enumerate(graph.inputs)] + [
+            (v, (None, "")) for v in graph.consts
+        ]:
+            value = graph.values[vid]
+            cands = candidates(value.shape, mesh, pinned)
+            # An uneven argument arrives evened (JAX lays out no uneven split at a jit boundary): that buffer stays live.
+            usage = np.array([s.evened(value.shape, mesh).local_bytes(value.shape, value.itemsize, mesh)
+                              for s in cands], dtype=np.float64)
+            idx = self.add(
+                Node(value.name, np.zeros(len(cands)), usage, (0, self.horizon), tuple(map(str, cands))),
+                NodeInfo(value.kind, vid, cands),
+            )
+            self.value_node[vid] = idx
+            self.produce(((), vid), idx, list(cands))
+            if pinned is not None:
+                self.pins.append(Pin(idx, (cands.index(pinned),), label))
+
+    def add_outputs(self, out_pins: Pins) -> None:
+        graph, mesh, tables = self.graph, self.mesh, self.tables
+        for k, x in enumerate(graph.outputs):
+            if isinstance(x, Lit):
+                continue
+            value = graph.values[x]
+            pinned, label = out_pins[k]
+            cands = candidates(value.shape, mesh, pinned)
+            idx = self.add(
+                Node(f"outputs[{k}]", np.zeros(len(cands)), np.zeros(len(cands)), (self.horizon - 1, self.horizon),
+                     tuple(map(str, cands))),
+                NodeInfo("output", k, cands),
+            )
+            self.output_node[k] = idx
+            if pinned is not None:
+                self.pins.append(Pin(idx, (cands.index(pinned),), label))
+            # An uneven output leaves evened (JAX returns no uneven split): the producer reshards straight to that.
+            leave = tables.ids([c.evened(value.shape, mesh) for c in cands])
+            producer = self.produced_at[((), x)][0]
+            self.edges[(producer, idx)] = tables.table(value.shape, value.itemsize, self.ids_at[((), x)], leave)
+
+    def add_ties(self, ties: Sequence[tuple[int, int]]) -> None:
+        """(argument leaf, output leaf) pairs take the same sharding: a forbidden cost off the diagonal."""
+        for arg_leaf, out_leaf in ties:
+            if out_leaf not in self.output_node:
+                continue
+            u, v = self.value_node[self.graph.inputs[arg_leaf]], self.output_node[out_leaf]
+            same = np.array([[0.0 if a == b else FORBIDDEN for b in self.infos[v].shardings]
+                             for a in self.infos[u].shardings])
+            self.edges[(u, v)] = self.edges[(u, v)] + same if (u, v) in self.edges else same
+
+    # -- operations --------------------------------------------------------------------
+
+    def add_ops(self, g: Graph, scope: Scope, scale: float, within: tuple[int, int] | None, prefix: str) -> None:
+        """Every op of ``g`` (the program, or a scan body living in the time step ``within``)."""
+        g_last = g.last_use()
+        g_outputs = {x for x in g.outputs if not isinstance(x, Lit)}
+        for op in g.ops:
+            if within is None:  # the program: op k runs at time k + 1, results live to their last reader
+                step = op.id + 1
+                end = max((g_last.get(v, op.id) for v in op.outputs), default=op.id) + 2
+                if any(v in g_outputs for v in op.outputs):
+                    end = self.horizon + 1
+                interval = (step, end)
+            else:  # inside a scan body: everything lives in the scan's time step
+                step, end = within[0], within[1]
+                interval = within
+            name = op.name() if not prefix else f"{prefix}{op.name()}"
+            if op.primitive == "scan" and self.options.expand_scans and expandable(op):
+                self.add_scan(g, op, scope, scale, step, end, name)
+            else:
+                self.add_op(g, op, scope, scale, interval, name)
+
+    def rule_strategies(self, g: Graph, op: Op) -> tuple[Rule, bool, RuleStrategies]:
+        """``op``'s rule (or the fallback, reported), and its strategies priced (shared by equal ops)."""
+        view = g.view(op)
+        rule = rule_for(view)
+        fallback = rule is None
+        if rule is None:
+            rule = fallback_rule(view)
+        itemsizes = tuple(np.dtype(d).itemsize for d in view.in_dtypes + view.out_dtypes)
+        key = (rule, op.literal_operands, itemsizes)
+        rs = self.rule_cache.get(key)
+        if rs is None:
+            rs = RuleStrategies.make(rule, op.literal_operands, itemsizes, self.mesh, self.tables, self.options.uneven)
+            self.rule_cache[key] = rs
+        return rule, fallback, rs
+
+    def add_op(self, g: Graph, op: Op, scope: Scope, scale: float, interval: tuple[int, int], name: str) -> None:
+        rule, fallback, rs = self.rule_strategies(g, op)
+        costs = rs.costs * scale if scale != 1 else rs.costs
+        if op.primitive == "scan" and expandable(op):  # not expanded: its body runs replicated
+            costs = costs + scale * replicated_scan_time(g, op, self.mesh)
+        idx = self.add(
+            Node(name, costs, rs.usage, interval, rs.labels),
+            NodeInfo("op", op.id, rule=rule, strategies=rs.strategies, fallback=fallback, scope=scope),
+        )
+        if scope:
+            self.scans[scope].op_node[op.id] = idx
+        else:
+            self.op_node[op.id] = idx
+        for r, v in enumerate(op.outputs):
+            self.produce((scope, v), idx, [s.results[r] for s in rs.strategies], rs.result_ids[r])
+        for k, x in enumerate(op.inputs):
+            if not isinstance(x, Lit):
+                self.read_edge(scope, g, x, rs.operand_ids[k], idx, scale)
+
+    # -- scans -------------------------------------------------------------------------
+
+    def add_scan(self, g: Graph, op: Op, scope: Scope, scale: float, step: int, end: int, name: str) -> None:
+        """A scan's body planned once; see ``ScanNodes``."""
+        length = int(op.params["length"])
+        body = g.body(op)
+        inner = scope + (op.id,)
+        sn = self.scans[inner] = ScanNodes(op.id, length, body)
+        within = (step, step + 1)
+        self.add_scan_operands(g, op, scope, scale, step, end, name, sn)
+        self.add_body_consts(inner, scale, name, within, sn)
+        self.add_ops(body, inner, scale * length, within, f"{name}/")
+        self.add_scan_outputs(g, op, scope, scale * length, step, end, name, sn)
+
+    def add_scan_operands(self, g: Graph, op: Op, scope: Scope, scale: float, step: int, end: int, name: str,
+                          sn: ScanNodes) -> None:
+        """One node per const, carry and x-slice, read from the scan's operands."""
+        mesh, tables = self.mesh, self.tables
+        n_consts, n_carry = scan_counts(op)
+        inner = scope + (op.id,)
+        for k, x in enumerate(op.inputs):
+            bvid = sn.body.inputs[k]
+            bval = sn.body.values[bvid]
+            cands = tuple(candidate_shardings(bval.shape, mesh))
+            kind = "const" if k < n_consts else "carry" if k < n_consts + n_carry else "xs"
+            outer = cands if kind != "xs" else tuple(ScanBoundary.stacked(c) for c in cands)
+            if kind == "carry":
+                usage = [c.local_bytes(bval.shape, bval.itemsize, mesh) for c in cands]
+                interval = (step, end)
+            else:  # consts and xs are the operands' own buffers (a resharded copy is not counted)
+                usage, interval = [0.0] * len(cands), (step, step + 1)
+            group = getattr(sn, kind)
+            idx = self.add(
+                Node(f"{name} {kind}[{len(group)}]", np.zeros(len(cands)), np.array(usage, dtype=np.float64),
+                     interval, tuple(map(str, cands))),
+                NodeInfo(f"scan-{kind}", op.id, cands, scope=inner),
+            )
+            group.append(idx)
+            if kind == "const":
+                self.invariant_scale[(inner, bvid)] = scale
+            self.produce((inner, bvid), idx, list(cands))
+            if not isinstance(x, Lit):
+                self.read_edge(scope, g, x, tables.ids(outer), idx, scale)
+
+    def add_body_consts(self, inner: Scope, scale: float, name: str, within: tuple[int, int], sn: ScanNodes) -> None:
+        """One node per closed-over constant of the body: a loop invariant, made before the loop (at ``scale``)."""
+        mesh = self.mesh
+        for k, bvid in enumerate(sn.body.consts):
+            bval = sn.body.values[bvid]
+            cands = tuple(candidate_shardings(bval.shape, mesh))
+            idx = self.add(
+                Node(f"{name} body const[{k}]", np.zeros(len(cands)),
+                     np.array([c.local_bytes(bval.shape, bval.itemsize, mesh) for c in cands], dtype=np.float64),
+                     within, tuple(map(str, cands))),
+                NodeInfo("scan-body-const", bvid, cands, scope=inner),
+            )
+            sn.body_consts.append(idx)
+            self.invariant_scale[(inner, bvid)] = scale
+            self.produce((inner, bvid), idx, list(cands))
+
+    def add_scan_outputs(self, g: Graph, op: Op, scope: Scope, inner_scale: float, step: int, end: int, name: str,
+                         sn: ScanNodes) -> None:
+        """One node per y-slice; the body's outputs read into the carry and y nodes; the scan's results."""
+        mesh = self.mesh
+        n_carry = scan_counts(op)[1]
+        inner = scope + (op.id,)
+        for r, bx in enumerate(sn.body.outputs):
+            if r < n_carry:
+                to = sn.carry[r]
+            else:
+                out_val = g.values[op.outputs[r]]
+                cands = tuple(candidate_shardings(out_val.shape[1:], mesh))
+                to = self.add(
+                    Node(f"{name} ys[{r - n_carry}]", np.zeros(len(cands)),
+                         np.array([ScanBoundary.stacked(c).local_bytes(out_val.shape, out_val.itemsize, mesh)
+                                   for c in cands], dtype=np.float64),
+                         (step, end), tuple(map(str, cands))),
+                    NodeInfo("scan-ys", op.id, cands, scope=inner),
+                )
+                sn.ys.append(to)
+            if not isinstance(bx, Lit):
+                self.read_edge(inner, sn.body, bx, self.tables.ids(self.infos[to].shardings), to, inner_scale)
+        for r, v in enumerate(op.outputs):
+            to = sn.carry[r] if r < n_carry else sn.ys[r - n_carry]
+            shardings = list(self.infos[to].shardings)
+            if r >= n_carry:
+                shardings = [ScanBoundary.stacked(c) for c in shardings]
+            self.produce((scope, v), to, shardings)
+
+
+def build_problem(
+    graph: Graph,
+    mesh: MeshSpec,
+    in_pins: Pins,
+    out_pins: Pins,
+    memory_limit: float | None = None,
+    ties: Sequence[tuple[int, int]] = (),
+    options: BuildOptions = BuildOptions(),
+) -> Built:
+    """Turn ``graph`` into a ``Problem``.
+
+    ``in_pins``/``out_pins`` hold (sharding or None, label) per flattened
+    argument/output; ``ties`` are (argument leaf, output leaf) pairs that must
+    get the same sharding (a training step's state going round the loop).
+    """
+    return ProblemBuilder(graph, mesh, options).build(in_pins, out_pins, memory_limit, ties)

@@ -1,0 +1,299 @@
+"""The reshard schedule: every read of a value in the layout its reader needs, as data.
+
+A plan fixes every value's sharding and every operation's strategy; what is
+left is *how* each value gets from the layout it is made in to the layouts its
+readers demand. ``build_schedule`` answers that once, from the plan's own data
+(the graph, ``Plan.inputs/consts/outputs`` and each op's ``OpPlan``, scan bodies
+and their ``body_consts`` included), so a plan loaded from JSON gets the same
+schedule as the one just solved. The plan prices it (``plan.collectives`` are
+its collective steps, ``shardsolve.plan.predicted_collectives``) and the
+rewriter (``shardsolve.lower``) executes it, step for step: "predicted ==
+lowered" holds by construction.
+
+Each ``Demand`` is one read: a value (in the graph of ``scope``), the layout
+its steps start from, the target its reader needs, the ``cost.ReshardStep``s
+that actually run, the consumer, and how often it runs (``repeats``). The
+steps are those of ``cost.reshard_steps`` after a *reshard cache*: every layout
+a value reaches (each step's result) is kept, so a second read in a layout
+already made runs nothing, and a reshard whose path passes through a layout
+already made starts from there (``source``).
+
+Where it runs (``Site``): an uneven argument arriving evened (JAX lays out no
+uneven split at a jit boundary) is cut to its planned shards (``ARGUMENT``, a
+local slice; the evened layout stays known); each op's operands
+(``OPERANDS``); a scan's loop invariants before its loop (``LOOP_INVARIANTS``,
+see ``loop_invariant_demands``); the outputs (``OUTPUT``: the program's leave
+evened). A scan body is scheduled once, its demands running ``length`` times
+(``repeats``). Example, ``f(x, w) = tanh(x @ w).sum(0)`` with ``x: f32[32, 16]``
+pinned ``P("data")`` on ``data=2,model=4``, one possible plan::
+
+    site                  value    source            target            steps
+    ---------------       -----    ------            ------            -----
+    () operands of %0     args[0]  [{data}, {}]      [{data}, {}]      (none: already there)
+    () operands of %0     args[1]  [{model}, {}]     [{}, {model}]     all-to-all{model} 256 B
+    () operands of %2     %1       [{data}, {model}] [{data}, {model}] (none)
+    () outputs[0]         %2       [{model}] partial{data}  [{model}]  all-reduce{data} 16 B
+
+Pricing is separate from building: ``Schedule.collective_steps()`` yields every
+(demand, step) that communicates, for any cost function to price
+(``plan.predicted_collectives`` uses ``cost.collective_time`` times ``repeats``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Sequence
+
+from shardsolve.cost import ReshardStep, reshard_steps
+from shardsolve.errors import ShardsolveError
+from shardsolve.graph import Graph, Lit, Op, ScanBoundary, Value
+from shardsolve.mesh import MeshSpec
+from shardsolve.sharding import Sharding
+
+Scope = tuple[int, ...]  # () the program; (k,) the body of scan op k; (k, j) the body of scan op j in that body
+
+ARGUMENT = "argument"  # index: the argument's position
+OPERANDS = "operands"  # index: the op's id in its scope
+LOOP_INVARIANTS = "loop-invariants"  # index: the scan op's id; runs before its loop, in the scan's scope
+OUTPUT = "output"  # index: the output's position (a scan body's: carry, then y-slices)
+
+
+@dataclass(frozen=True, slots=True)
+class Site:
+    """Where in the program a reshard runs: a scope and a moment in it (see the module docstring)."""
+
+    scope: Scope
+    kind: str  # ARGUMENT, OPERANDS, LOOP_INVARIANTS or OUTPUT
+    index: int
+
+
+@dataclass(frozen=True, slots=True)
+class Demand:
+    """One read of a value in a layout, and the reshard steps that make that layout."""
+
+    site: Site
+    scope: Scope  # the graph ``value`` belongs to: ``site.scope``, or a scan body's (a literal const or a
+    #               closed-over constant of the body, resharded before the loop from its own planned layout)
+    value: int  # value id in the graph of ``scope``
+    source: Sharding  # the layout the steps start from: one the value already has at this point
+    target: Sharding  # the layout the consumer reads
+    steps: tuple[ReshardStep, ...]  # what runs (``()`` when the target is already there)
+    consumer: str  # the operation (or output) that reads it, e.g. "%3 dot_general [block_0]"
+    repeats: int  # runs of it: the product of the enclosing scans' lengths
+    value_name: str  # e.g. "%2", "args[0]['w']", "%5 scan/%3" (a body value, named by its scan)
+    producer: str  # the operation (or argument) that made the value
+    anchor: int  # a value id of the program: the value itself, or for a body value its scan's first result
+    into: int | None = None  # LOOP_INVARIANTS: the body value that receives the result
+
+    @property
+    def collective_steps(self) -> tuple[ReshardStep, ...]:
+        return tuple(s for s in self.steps if s.is_collective)
+
+
+@dataclass(frozen=True, slots=True)
+class Schedule:
+    """Every demand of a plan, in program order (the order the rewriter runs them)."""
+
+    demands: tuple[Demand, ...]
+    _by_site: dict[Site, tuple[Demand, ...]] = field(default_factory=dict, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        index: dict[Site, list[Demand]] = {}
+        for d in self.demands:
+            index.setdefault(d.site, []).append(d)
+        object.__setattr__(self, "_by_site", {site: tuple(ds) for site, ds in index.items()})
+
+    def at(self, site: Site) -> tuple[Demand, ...]:
+        """The demands that run at ``site``, in order."""
+        return self._by_site.get(site, ())
+
+    def collective_steps(self) -> Iterator[tuple[Demand, ReshardStep]]:
+        """Every (demand, step) that communicates, in program order: what a cost function prices."""
+        for d in self.demands:
+            for step in d.steps:
+                if step.is_collective:
+                    yield d, step
+
+
+def loop_invariant_demands(body: Graph, n_consts: int, operand_targets: Sequence[Sequence[Sharding]],
+                           output_targets: Sequence[Sharding]) -> list[tuple[int, Sharding]]:
+    """The layouts a scan body reads its loop invariants in, in the order it first reads them.
+
+    A scan's loop invariants are its consts (the body's first ``n_consts``
+    inputs) and its body's closed-over constants: the same in every
+    iteration, so each layout the body reads one in is made once, before the
+    loop, and handed in, as XLA's loop-invariant code motion would hoist it.
+    ``operand_targets[j]`` are the shardings body op ``j`` reads its operands
+    in, ``output_targets`` those of the carry-out and y-slices. Reshards made
+    before the loop share the enclosing scope's reshard cache, so two scans
+    closing over the same value in the same layout reshard it once;
+    ``build.ProblemBuilder`` prices their reads at the scan's scale, not
+    ``length`` times.
+    """
+    invariant = set(body.inputs[:n_consts]) | set(body.consts)
+    out: list[tuple[int, Sharding]] = []
+    seen: set[tuple[int, Sharding]] = set()
+
+    def read(x: int | Lit, target: Sharding) -> None:
+        if not isinstance(x, Lit) and x in invariant and (x, target) not in seen:
+            seen.add((x, target))
+            out.append((x, target))
+
+    for op, targets in zip(body.ops, operand_targets, strict=True):
+        for x, target in zip(op.inputs, targets):
+            read(x, target)
+    for x, target in zip(body.outputs, output_targets):
+        read(x, target)
+    return out
+
+
+def is_planned_scan(op: Op, op_plan: Any) -> bool:
+    """Whether ``op`` is a scan planned with its body (``OpPlan.length`` iterations of ``OpPlan.body``)."""
+    return op.primitive == "scan" and bool(getattr(op_plan, "length", 0))
+
+
+def build_schedule(graph: Graph, mesh: MeshSpec, inputs: Sequence[Sharding], consts: Sequence[Sharding],
+                   outputs: Sequence[Sharding], ops: Sequence[Any]) -> Schedule:
+    """The schedule of a plan: ``inputs``/``consts``/``outputs`` per flattened argument, closed-over constant
+    and output, ``ops`` the ``OpPlan`` of every op of ``graph`` (constants not covered are replicated)."""
+    if len(ops) != len(graph.ops):
+        raise ShardsolveError(f"the plan has {len(ops)} operations where the program has {len(graph.ops)}; "
+                              "plan it again")
+    consts = tuple(consts) + tuple(Sharding.replicated(len(graph.values[v].shape)) for v in graph.consts[len(consts):])
+    return _Builder(mesh).program(graph, inputs, consts, outputs, ops)
+
+
+@dataclass
+class _Scope:
+    """What the builder knows while walking one graph (the program or a scan body)."""
+
+    graph: Graph
+    scope: Scope
+    current: dict[int, Sharding]  # the layout each value is made in
+    producer: dict[int, str]
+    seen: set[tuple[int, Sharding]]  # (value, layout) made so far: the reshard cache
+    repeats: int
+    prefix: str  # "" for the program, "%5 scan/" in the body of scan op 5
+    anchor: int | None  # None for the program (a value anchors itself), else the enclosing scan's first result
+
+
+class _Builder:
+    """Walks the program once, in the order the rewriter runs it, recording every demand."""
+
+    def __init__(self, mesh: MeshSpec):
+        self.mesh = mesh
+        self.demands: list[Demand] = []
+
+    def program(self, graph: Graph, inputs: Sequence[Sharding], consts: Sequence[Sharding],
+                outputs: Sequence[Sharding], ops: Sequence[Any]) -> Schedule:
+        values = graph.values
+        current = dict(zip(graph.inputs, inputs)) | dict(zip(graph.consts, consts))
+        top = _Scope(graph, (), current, {v: values[v].name for v in current}, set(), 1, "", None)
+        # An uneven argument arrives evened (JAX lays out no uneven split) and is cut to its planned shards:
+        # the evened layout is in the program too.
+        for k, (vid, s) in enumerate(zip(graph.inputs, inputs)):
+            arrived = s.evened(values[vid].shape, self.mesh)
+            if arrived != s:
+                self.reshard(top, Site((), ARGUMENT, k), values[vid], vid, arrived, s, "arguments", cache=False)
+                top.seen.add((vid, arrived))
+        targets = [s if isinstance(x, Lit) else s.evened(values[x].shape, self.mesh)
+                   for x, s in zip(graph.outputs, outputs)]  # an uneven output leaves evened
+        self.walk(top, ops, targets, [f"outputs[{k}]" for k in range(len(graph.outputs))])
+        return Schedule(tuple(self.demands))
+
+    def reshard(self, at: _Scope, site: Site, value: Value, vid: int, start: Sharding, target: Sharding,
+                consumer: str, *, scope: Scope | None = None, value_name: str | None = None,
+                producer: str | None = None, into: int | None = None, cache: bool = True) -> None:
+        """Demand ``vid`` (a value of ``at``'s graph unless ``scope`` says otherwise) in ``target``, from ``start``.
+
+        With the reshard cache (``at.seen``): a layout already made costs nothing, and the steps start
+        after the last layout along the way already made. ``cache=False``: the steps are not recorded as made.
+        """
+        if (vid, target) in at.seen:
+            source, steps = target, ()
+        else:
+            path = reshard_steps(value.shape, value.itemsize, start, target, self.mesh)
+            if path is None:
+                raise ShardsolveError(f"cannot reshard {value.name} from {start} to {target}: the plan is "
+                                      "inconsistent; plan the model again")
+            known = [k for k, step in enumerate(path) if (vid, step.dst) in at.seen]
+            source, steps = (path[known[-1]].dst, path[known[-1] + 1:]) if known else (start, path)
+            if cache:
+                at.seen.update((vid, step.dst) for step in steps)
+        self.demands.append(Demand(
+            site, at.scope if scope is None else scope, vid, source, target, tuple(steps), consumer, at.repeats,
+            at.prefix + value.name if value_name is None else value_name,
+            at.producer[vid] if producer is None else producer,
+            vid if at.anchor is None else at.anchor, into,
+        ))
+
+    def walk(self, at: _Scope, ops: Sequence[Any], out_targets: Sequence[Sharding], out_names: Sequence[str]) -> None:
+        """Demands of every op of ``at``'s graph, then of its outputs."""
+        g = at.graph
+        for op, op_plan in zip(g.ops, ops):
+            name = at.prefix + op.name()
+            site = Site(at.scope, OPERANDS, op.id)
+            if is_planned_scan(op, op_plan):
+                self.scan(at, op, op_plan, name)
+                continue
+            for k, x in enumerate(op.inputs):
+                if not isinstance(x, Lit):
+                    self.reshard(at, site, g.values[x], x, at.current[x], op_plan.operands[k], name)
+            for r, vid in enumerate(op.outputs):
+                at.current[vid] = op_plan.results[r]
+                at.producer[vid] = name
+        for k, (x, target) in enumerate(zip(g.outputs, out_targets)):
+            if not isinstance(x, Lit):
+                self.reshard(at, Site(at.scope, OUTPUT, k), g.values[x], x, at.current[x], target, out_names[k])
+
+    def scan(self, at: _Scope, op: Op, op_plan: Any, name: str) -> None:
+        """A scan planned with its body: its operands, its loop invariants, its body (``length`` runs), its results."""
+        g = at.graph
+        body = g.body(op)
+        b = ScanBoundary.of(op, op_plan.operands, op_plan.results, op_plan.body_consts, body)
+        site = Site(at.scope, OPERANDS, op.id)
+        for k, (x, target) in enumerate(zip(op.inputs, b.operands)):
+            if not isinstance(x, Lit):
+                self.reshard(at, site, g.values[x], x, at.current[x], target, name)
+        inner = _Scope(
+            body, at.scope + (op.id,),
+            dict(zip(body.inputs, b.body_inputs)) | dict(zip(body.consts, b.body_consts)),
+            {v: f"{name}/{body.values[v].name}" for v in body.inputs + body.consts},
+            set(), at.repeats * op_plan.length, f"{name.split(' [')[0]}/",
+            at.anchor if at.anchor is not None else op.outputs[0] if op.outputs else None,
+        )
+        hoisted = loop_invariant_demands(body, len(b.consts), [o.operands for o in op_plan.body], b.body_outputs)
+        self.loop_invariants(at, op, inner, hoisted, name)
+        inner.seen.update(hoisted)  # the body finds them made
+        n_carry = len(b.carry)
+        self.walk(inner, op_plan.body, b.body_outputs,
+                  [f"{name.split(' [')[0]} " + (f"carry[{r}]" if r < n_carry else f"ys[{r - n_carry}]")
+                   for r in range(len(body.outputs))])
+        for vid, s in zip(op.outputs, b.results):
+            at.current[vid] = s
+            at.producer[vid] = name
+
+    def loop_invariants(self, at: _Scope, op: Op, inner: _Scope, hoisted: Sequence[tuple[int, Sharding]],
+                        name: str) -> None:
+        """The layouts the body reads its loop invariants in, made before the loop (``loop_invariant_demands``).
+
+        A const is resharded from the layout it enters the body in with the enclosing scope's cache
+        (shared with the outer value's other reshards: two scans reading it in one layout reshard it
+        once); a literal const or a closed-over constant of the body from its own planned layout, with
+        a cache of this scan's own.
+        """
+        body = inner.graph
+        site = Site(at.scope, LOOP_INVARIANTS, op.id)
+        where = f"{name} before the loop, for its body"
+        own = _Scope(body, inner.scope, inner.current, inner.producer, set(), at.repeats, inner.prefix, inner.anchor)
+        n_consts = int(op.params["num_consts"])
+        for bvid, target in hoisted:
+            start = inner.current[bvid]
+            if target == start:
+                continue
+            k = body.inputs.index(bvid) if bvid in body.inputs[:n_consts] else None
+            if k is not None and not isinstance(op.inputs[k], Lit):
+                x = op.inputs[k]
+                self.reshard(at, site, at.graph.values[x], x, start, target, where, into=bvid)
+            else:
+                self.reshard(own, site, body.values[bvid], bvid, start, target, where, into=bvid)
