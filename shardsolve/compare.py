@@ -49,7 +49,7 @@ import tempfile
 import time
 import warnings
 from collections import Counter
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Sequence
 
 from shardsolve.annotations import argument_pins, broadcast_annotations, output_pins
@@ -555,8 +555,3 @@ def _describe(ann: Any) -> str:
     leaves = jax.tree_util.tree_leaves(ann, is_leaf=lambda x: x is None or isinstance(x, PartitionSpec))
     pinned = [x for x in leaves if x is not None]
     return f"{len(pinned)} of {len(leaves)} annotation leaves pinned"
-
-
-def with_columns(cmp: Comparison, *extra: Column) -> Comparison:
-    """A comparison with more columns (e.g. shardsolve under a memory limit, judged the same way)."""
-    return replace(cmp, columns=cmp.columns + tuple(extra))
