@@ -7,6 +7,7 @@ import json
 import pytest
 
 from shardsolve.cli import main
+from shardsolve.errors import ShardsolveError
 
 
 def _run(capsys, *argv):
@@ -52,3 +53,20 @@ def test_help_and_no_command(capsys):
     assert info.value.code == 0
     assert "plan" in capsys.readouterr().out
     assert main([]) == 2
+
+
+def test_model_source_is_written_and_read_one_way():
+    from shardsolve.cli.common import ModelSource
+
+    for source in (ModelSource("models/mlp.py:mlp"), ModelSource("my models/m.py:f", "large", "expert")):
+        assert ModelSource.parse(str(source)) == source
+    assert str(ModelSource("models/mlp.py:mlp", "small", "default")) == "models/mlp.py:mlp --size small --annotations default"
+    with pytest.raises(ShardsolveError, match="names no model"):
+        ModelSource.parse("")
+
+
+def test_output_in_a_missing_directory_is_refused_before_planning(capsys, tmp_path, models_dir):
+    out = tmp_path / "missing" / "plan.json"
+    code, stdout, stderr = _run(capsys, "plan", f"{models_dir}/mlp.py", "--mesh", "data=2,model=4", "-o", str(out))
+    assert code == 2 and "does not exist" in stderr and "step time" not in stdout
+    assert len(stderr.strip().splitlines()) == 1 and not list(tmp_path.iterdir())

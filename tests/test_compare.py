@@ -165,7 +165,7 @@ def test_helpers() -> None:
 def test_sharding_view_draws_device_blocks() -> None:
     from rich.console import Console
 
-    from shardsolve.cli_compare import sharding_view
+    from shardsolve.cli.explain import sharding_view
 
     console = Console(width=100, record=True)
     mesh = MeshSpec.parse(MESH)

@@ -1,27 +1,35 @@
-"""``shardsolve verify plan.json``: re-load the planned model, lower the plan and check it.
+"""``shardsolve verify PLAN``: re-load the planned model, lower the plan and check it.
 
     shardsolve plan models/mlp.py:mlp --mesh data=2,model=4 -o plan.json
     shardsolve verify plan.json              # the model named in the plan's source
     shardsolve verify plan.json --size large # compile only if the arguments are abstract
 
-The model comes from the plan's ``source`` (``"FILE[:NAME] --size S
---annotations A"``, written by ``shardsolve plan``). A plan made for another
-signature, mesh or file-format version is refused with a message saying
-which. Prints the numerics, the predicted / lowered / JAX bytes per collective
-kind and mesh axes, and every difference. Exit status: 0 when the plan
-verifies, 1 on a mismatch, 2 on bad input; never a traceback.
+The model comes from the plan's source (``common.ModelSource``, written by
+``shardsolve plan``). A plan made for another signature, mesh or file-format
+version is refused with a message saying which. Prints the numerics, the
+predicted / lowered / JAX bytes per collective kind and mesh axes, and every
+difference. Exit status: 0 when the plan verifies, 1 on a mismatch, 2 on bad
+input; never a traceback.
 """
 
 from __future__ import annotations
 
 import argparse
-import shlex
 from typing import Any
 
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from shardsolve.cli.common import EXIT_MISMATCH, EXIT_OK, ModelSource, console, ensure_host_devices
 from shardsolve.errors import ShardsolveError
+from shardsolve.model import Model, load_model
+from shardsolve.plan import Plan, load_plan
+from shardsolve.units import format_bytes
+from shardsolve.verify import VerifyReport, verify
 
 
-def add_verify_parser(sub: Any) -> None:
+def add_parser(sub: Any) -> None:
     p = sub.add_parser(
         "verify",
         help="check a plan: numerics and collectives, predicted vs lowered vs JAX",
@@ -34,34 +42,11 @@ def add_verify_parser(sub: Any) -> None:
     p.add_argument("--size", choices=("small", "large"), default=None,
                    help="model size (default: the one the plan was made for)")
     p.add_argument("--top", type=int, default=20, help="how many differences to list (default: 20)")
-    p.set_defaults(func=cmd_verify)
+    p.set_defaults(func=run)
 
 
-def parse_source(source: str) -> tuple[str, str, str]:
-    """``"models/mlp.py:mlp --size small --annotations default"`` -> (spec, size, annotations)."""
-    if not source.strip():
-        raise ShardsolveError(
-            "the plan names no model (its 'source' is empty); verify it from Python with "
-            "shardsolve.verify(shardsolve.load_plan(path, fun, *args), *args)"
-        )
-    try:
-        words = shlex.split(source)
-    except ValueError as e:
-        raise ShardsolveError(f"cannot read the plan's source {source!r}: {e}") from None
-    parser = argparse.ArgumentParser(add_help=False, exit_on_error=False)
-    parser.add_argument("model")
-    parser.add_argument("--size", default="small")
-    parser.add_argument("--annotations", default="default")
-    try:
-        ns, _ = parser.parse_known_args(words)
-    except (argparse.ArgumentError, SystemExit):
-        raise ShardsolveError(
-            f"cannot read the plan's source {source!r}; expected 'FILE[:NAME] --size S --annotations A'"
-        ) from None
-    return ns.model, ns.size, ns.annotations
-
-
-def _check_mesh(plan, model) -> None:
+def check_mesh(plan: Plan, model: Model) -> None:
+    """Refuse a plan whose mesh lacks an axis the model annotates, or whose shardings name unknown axes."""
     names = set(plan.mesh.names)
     missing = [a for a in getattr(model, "mesh_axes", ()) if a not in names]
     if missing:
@@ -79,32 +64,17 @@ def _check_mesh(plan, model) -> None:
         )
 
 
-def cmd_verify(args: argparse.Namespace) -> int:
-    from shardsolve.cli import _console
-    from shardsolve.cli_compare import ensure_host_devices
-    from shardsolve.plan import load_plan
-
-    out = _console()
-    err = _console(stderr=True)
+def run(args: argparse.Namespace) -> int:
+    out = console()
+    err = console(stderr=True)
     plan = load_plan(args.plan)  # format and version checked here
-    spec, planned_size, annotations = parse_source(plan.source)
-    size = args.size or planned_size
+    source = ModelSource.parse(plan.source)
+    size = args.size or source.size
     ensure_host_devices(plan.mesh.size)
-
-    import jax
-
-    import shardsolve
-    from shardsolve.verify import verify
-
     with err.status("loading the model", spinner="dots") as status:
-        model = shardsolve.load_model(spec, size)
-        _check_mesh(plan, model)
-        if len(jax.devices()) < plan.mesh.size:
-            raise ShardsolveError(
-                f"the plan's mesh {plan.mesh} needs {plan.mesh.size} devices, but only {len(jax.devices())} are "
-                f"present; run where there are more, or set XLA_FLAGS=--xla_force_host_platform_device_count="
-                f"{plan.mesh.size} on CPU"
-            )
+        model = load_model(source.model, size)
+        check_mesh(plan, model)
+        plan.mesh.devices_mesh("verifying the plan")
         plan = load_plan(args.plan, model.fun, *model.args)  # signature checked here
         status.update("lowering, compiling and running the plan")
         try:
@@ -113,17 +83,14 @@ def cmd_verify(args: argparse.Namespace) -> int:
             raise
         except Exception as e:  # a bug in lowering or compiling: report it, exit 1
             err.print(f"[red]error:[/red] verifying the plan failed: {type(e).__name__}: {str(e).splitlines()[0]}")
-            return 1
-    print_report(report, out, title=f"{args.plan} ({spec}, size {size}, annotations {annotations})", top=args.top)
-    return 0 if report.ok else 1
+            return EXIT_MISMATCH
+    print_report(report, out, title=f"{args.plan} ({source.model}, size {size}, annotations {source.annotations})",
+                 top=args.top)
+    return EXIT_OK if report.ok else EXIT_MISMATCH
 
 
-def print_report(report, console, *, title: str = "", top: int = 20) -> None:
-    from rich.markup import escape
-    from rich.table import Table
-
-    from shardsolve.units import format_bytes
-
+def print_report(report: VerifyReport, console: Console, *, title: str = "", top: int = 20) -> None:
+    """The verdict, the numerics per output leaf, the inventories side by side, and the differences."""
     verdict = "[green]ok[/green]" if report.ok else "[red]MISMATCH[/red]"
     console.print(f"verify {escape(title)} on mesh {report.mesh}: {verdict}")
 

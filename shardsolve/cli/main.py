@@ -1,0 +1,53 @@
+"""The ``shardsolve`` command: argument parsing and dispatch to one module per command.
+
+    shardsolve plan models/gpt2.py:gpt2 --mesh data=2,model=4 -o plan.json
+    shardsolve verify plan.json
+    shardsolve compare models/gpt2.py:gpt2 --mesh data=2,model=4 --size large
+    shardsolve explain plan.json --show args
+    shardsolve iopddl ../shared/iopddl/asplos-2025-iopddl-B.json.gz --time-limit 60
+
+Bad input prints one line (``error: ...``) and exits with status 2; no
+traceback, and no partial output file.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Sequence
+
+from rich.markup import escape
+
+from shardsolve.cli import compare, explain, iopddl, plan, verify
+from shardsolve.cli.common import EXIT_BAD_INPUT, EXIT_INTERRUPTED, console
+from shardsolve.errors import ShardsolveError
+from shardsolve.version import __version__
+
+COMMANDS = (plan, verify, compare, explain, iopddl)  # each module: add_parser(sub) and run(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="shardsolve",
+        description="Plan how a JAX program is split over a device mesh with one global optimisation.",
+    )
+    parser.add_argument("--version", action="version", version=f"shardsolve {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for command in COMMANDS:
+        command.add_parser(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return EXIT_BAD_INPUT
+    try:
+        return int(args.func(args) or 0)
+    except ShardsolveError as e:  # InfeasibleError included
+        console(stderr=True).print(f"[red]error:[/red] {escape(str(e))}", soft_wrap=True)
+        return EXIT_BAD_INPUT
+    except KeyboardInterrupt:
+        console(stderr=True).print("[red]interrupted[/red]")
+        return EXIT_INTERRUPTED

@@ -1,0 +1,106 @@
+"""``shardsolve plan FILE[:NAME] --mesh ...``: plan a model file and print (and save) the plan.
+
+    shardsolve plan models/gpt2.py:gpt2 --mesh data=2,model=4 --size large -o plan.json
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from shardsolve.cli.common import add_model_arguments, annotations_of, check_output, console, source_of
+from shardsolve.mesh import MeshSpec
+from shardsolve.model import load_model
+from shardsolve.plan import Plan
+from shardsolve.planner import plan as make_plan
+from shardsolve.units import format_bytes
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser(
+        "plan",
+        help="plan a model file's shardings",
+        description="Trace FILE[:NAME] (a function returning shardsolve.Model; NAME defaults to the file's stem), "
+        "solve for the cheapest sharding of every value, print the plan and optionally write it as JSON.",
+    )
+    add_model_arguments(p, annotations_help="which of the model's annotations to pin (default: the model's own, "
+                        "usually the batch only)", memory_help="bytes per device, e.g. 16GiB (default: no limit)")
+    p.add_argument("-o", "--output", help="write the plan as JSON to this file")
+    p.add_argument("--no-tie", action="store_true",
+                   help="search every layer on its own (default: repeated layers share shardings, "
+                        "reported as optimal only when a bound of the untied problem proves it)")
+    p.add_argument("--top", type=int, default=10, help="how many collectives to list (default: 10)")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    out = console()
+    mesh = MeshSpec.parse(args.mesh)
+    check_output(args.output, "plan.json")
+    with console(stderr=True).status("loading the model", spinner="dots") as status:
+        model = load_model(args.model, args.size)
+        in_sh, out_sh = annotations_of(model, args.annotations)
+        plan = make_plan(
+            model.fun,
+            *model.args,
+            mesh=mesh,
+            in_shardings=in_sh,
+            out_shardings=out_sh,
+            memory_limit=args.memory_limit,
+            time_limit=args.time_limit,
+            carry=model.carry,
+            progress=lambda message: status.update(message),
+            source=str(source_of(args)),
+            tie=not args.no_tie,
+        )
+    print_plan(plan, out, top=args.top)
+    if args.output:
+        plan.save(args.output)
+        out.print(f"plan written to [bold]{args.output}[/bold]")
+    return 0
+
+
+def print_plan(plan: Plan, console: Console, top: int = 10) -> None:
+    """A summary table, the arguments' and outputs' shardings, and the largest predicted collectives."""
+    graph = plan.graph
+    summary = Table(title="plan", show_header=False, box=None)
+    summary.add_column(style="bold")
+    summary.add_column()
+    summary.add_row("mesh", str(plan.mesh))
+    summary.add_row("operations", f"{len(plan.ops)} ({plan.fallback_count} fell back to replication)")
+    status = plan.status if plan.status == "optimal" else f"{plan.status}, gap {plan.gap:.2%}"
+    summary.add_row("solver", f"{status} in {plan.solve_time:.2f} s")
+    stats = dict(plan.stats)
+    if "tying" in stats:
+        summary.add_row("tying", f"{stats['tied_nodes']} nodes of repeated layers tied in {stats['tie_classes']} classes, "
+                        f"{stats['tying']} ({stats['tie_bound']} bound of the untied problem)")
+    c = plan.cost
+    summary.add_row("step time (est.)", f"{c.total * 1e3:.4f} ms = compute {c.compute * 1e3:.4f} ms + communication {c.communication * 1e3:.4f} ms")
+    summary.add_row("peak memory", f"{format_bytes(c.peak_memory)} per device")
+    if c.bytes_by_kind:
+        summary.add_row("communication", ", ".join(f"{k} {format_bytes(b)}" for k, b in c.bytes_by_kind))
+    if plan.fallbacks:
+        summary.add_row("fallbacks", ", ".join(f"{p} x{n}" for p, n in plan.fallbacks))
+    console.print(summary)
+
+    table = Table(title="arguments and outputs")
+    for col in ("value", "shape", "sharding"):
+        table.add_column(col)
+    names = [graph.values[v].name for v in graph.inputs] if graph else [f"args[{k}]" for k in range(len(plan.inputs))]
+    for name, (shape, dtype), s in zip(names, plan.signature.in_avals, plan.inputs):
+        table.add_row(name, f"{dtype}{list(shape)}", str(s.to_spec()))
+    for k, ((shape, dtype), s) in enumerate(zip(plan.signature.out_avals, plan.outputs)):
+        table.add_row(f"outputs[{k}]", f"{dtype}{list(shape)}", str(s.to_spec()))
+    console.print(table)
+
+    if plan.collectives:
+        coll = Table(title=f"largest predicted collectives ({len(plan.collectives)} in all)")
+        for col in ("kind", "axes", "bytes", "time (us)", "value", "from -> to", "demanded by"):
+            coll.add_column(col)
+        for p in sorted(plan.collectives, key=lambda p: -p.time)[:top]:
+            coll.add_row(p.kind, ",".join(p.axes), format_bytes(p.bytes), f"{p.time * 1e6:.2f}", p.value_name,
+                         f"{p.src} -> {p.dst}", p.consumer)
+        console.print(coll)
