@@ -212,108 +212,137 @@ def _build_template(shape: tuple[int, ...], src: Sharding, dst: Sharding, mesh: 
         return None
     if dst.partial and src.reduce_op != dst.reduce_op:
         return None
-    steps: list[tuple] = []
-    cur_dims = [list(d) for d in src.dims]
-    cur_partial = [a for a in src.partial if a not in dst.partial]
-    keep_partial = tuple(dst.partial)
+    walk = _StepWalk(shape, src, dst, mesh)
+    walk.reductions()
+    walk.all_to_alls()
+    walk.all_gathers()
+    walk.slices()
+    assert walk.state(()) == dst, (src, dst, walk.state(()))
+    return tuple(walk.steps)
 
-    def state(partial: Sequence[str]) -> Sharding:
-        all_partial = tuple(sorted(set(partial) | set(keep_partial)))
-        return Sharding(tuple(tuple(d) for d in cur_dims), all_partial, src.reduce_op if all_partial else "sum")
 
-    # (1) pending reductions.
-    if cur_partial:
-        if src.reduce_op == "sum":
-            for d, target in enumerate(dst.dims):
+class _StepWalk:
+    """``_build_template``'s state: the value's layout so far (``dims``, ``partial``) and the steps taken.
+
+    Each step is ``(kind, axes, byte spec, before, after, dim, concat_dim)``;
+    byte specs: ``("local", sharding)`` the local buffer; ``("pad", sharding,
+    d, n)`` it with dimension ``d`` padded to a multiple of ``n``;
+    ``("gather", after, before, d, n)`` the larger of the gathered buffer and
+    ``n`` padded source shards.
+    """
+
+    def __init__(self, shape: tuple[int, ...], src: Sharding, dst: Sharding, mesh: MeshSpec):
+        self.shape, self.src, self.dst, self.mesh = shape, src, dst, mesh
+        self.dims = [list(d) for d in src.dims]
+        self.partial = [a for a in src.partial if a not in dst.partial]
+        self.keep_partial = tuple(dst.partial)
+        self.steps: list[tuple] = []
+
+    def state(self, partial: Sequence[str]) -> Sharding:
+        all_partial = tuple(sorted(set(partial) | set(self.keep_partial)))
+        return Sharding(tuple(tuple(d) for d in self.dims), all_partial, self.src.reduce_op if all_partial else "sum")
+
+    def uneven(self, axes: Sequence[str], d: int) -> bool:
+        return _uneven(self.shape, axes, d, self.mesh)
+
+    def common_prefix(self, d: int) -> int:
+        """How many leading axes of dimension ``d`` stay (0 where an uneven split must be gathered whole)."""
+        target, cur = self.dst.dims[d], self.dims[d]
+        if tuple(cur) != target and (self.uneven(cur, d) or self.uneven(target, d)):
+            return 0  # uneven: gather the dimension whole, then slice (nested uneven shards do not line up)
+        p = 0
+        while p < len(cur) and p < len(target) and cur[p] == target[p]:
+            p += 1
+        return p
+
+    def reductions(self) -> None:
+        """(1) Pending reductions: reduce-scatters into the next axes ``dst`` splits, then one all-reduce."""
+        if not self.partial:
+            return
+        mesh, dims = self.mesh, self.dims
+        if self.src.reduce_op == "sum":
+            for d, target in enumerate(self.dst.dims):
                 # Reduce-scatter along d while dst's next axis on d is pending here.
                 taken: list[str] = []
                 # An uneven split is only scattered into from an unsplit dimension (shard
                 # boundaries of nested uneven splits do not line up).
-                if cur_dims[d] and _uneven(shape, target, d, mesh):
+                if dims[d] and self.uneven(target, d):
                     continue
                 while (
-                    len(cur_dims[d]) + len(taken) < len(target)
-                    and list(target[: len(cur_dims[d])]) == cur_dims[d]
-                    and target[len(cur_dims[d]) + len(taken)] in cur_partial
-                    and target[len(cur_dims[d]) + len(taken)] not in taken
+                    len(dims[d]) + len(taken) < len(target)
+                    and list(target[: len(dims[d])]) == dims[d]
+                    and target[len(dims[d]) + len(taken)] in self.partial
+                    and target[len(dims[d]) + len(taken)] not in taken
                 ):
-                    taken.append(target[len(cur_dims[d]) + len(taken)])
+                    taken.append(target[len(dims[d]) + len(taken)])
                 if taken:
-                    before = state(cur_partial)
+                    before = self.state(self.partial)
                     in_bytes = ("pad", before, d, mesh.group_size(taken))
-                    cur_dims[d] = cur_dims[d] + taken
-                    cur_partial = [a for a in cur_partial if a not in taken]
-                    after = state(cur_partial)
-                    steps.append(("reduce-scatter", mesh.order(taken), in_bytes, before, after, d, None))
-        if cur_partial:
-            before = state(cur_partial)
-            nb = ("local", before)
-            axes = mesh.order(cur_partial)
-            cur_partial = []
-            steps.append(("all-reduce", axes, nb, before, state(cur_partial), None, None))
+                    dims[d] = dims[d] + taken
+                    self.partial = [a for a in self.partial if a not in taken]
+                    after = self.state(self.partial)
+                    self.steps.append(("reduce-scatter", mesh.order(taken), in_bytes, before, after, d, None))
+        if self.partial:
+            before = self.state(self.partial)
+            axes = mesh.order(self.partial)
+            self.partial = []
+            self.steps.append(("all-reduce", axes, ("local", before), before, self.state(self.partial), None, None))
 
-    def common_prefix(d: int) -> int:
-        target = dst.dims[d]
-        if tuple(cur_dims[d]) != target and (_uneven(shape, cur_dims[d], d, mesh) or _uneven(shape, target, d, mesh)):
-            return 0  # uneven: gather the dimension whole, then slice (nested uneven shards do not line up)
-        p = 0
-        while p < len(cur_dims[d]) and p < len(target) and cur_dims[d][p] == target[p]:
-            p += 1
-        return p
-
-    # (2) all-to-all: move the minor-most axis of one dimension to the next slot of another.
-    moved = True
-    while moved:
-        moved = False
-        for i in range(len(cur_dims)):
-            p_i = common_prefix(i)
-            if len(cur_dims[i]) - p_i != 1:
-                continue
-            axis = cur_dims[i][-1]
-            for j in range(len(cur_dims)):
-                if j == i:
+    def all_to_alls(self) -> None:
+        """(2) Move the minor-most axis of one dimension to the next slot of another, while one fits."""
+        dims = self.dims
+        moved = True
+        while moved:
+            moved = False
+            for i in range(len(dims)):
+                if len(dims[i]) - self.common_prefix(i) != 1:
                     continue
-                p_j = common_prefix(j)
-                target = dst.dims[j]
-                if p_j == len(cur_dims[j]) and p_j < len(target) and target[p_j] == axis:
-                    before = state(())
-                    nb = ("local", before)
-                    cur_dims[i] = cur_dims[i][:-1]
-                    cur_dims[j] = cur_dims[j] + [axis]
-                    after = state(())
-                    if any(_uneven(shape, sh.dims[x], x, mesh) for sh in (before, after) for x in (i, j)):
-                        # Keep to even splits; undo and gather instead.
-                        cur_dims[i].append(axis)
-                        cur_dims[j].pop()
+                axis = dims[i][-1]
+                for j in range(len(dims)):
+                    if j == i:
                         continue
-                    steps.append(("all-to-all", (axis,), nb, before, after, j, i))
-                    moved = True
+                    p_j = self.common_prefix(j)
+                    target = self.dst.dims[j]
+                    if p_j == len(dims[j]) and p_j < len(target) and target[p_j] == axis:
+                        before = self.state(())
+                        dims[i] = dims[i][:-1]
+                        dims[j] = dims[j] + [axis]
+                        after = self.state(())
+                        if any(self.uneven(sh.dims[x], x) for sh in (before, after) for x in (i, j)):
+                            # Keep to even splits; undo and gather instead.
+                            dims[i].append(axis)
+                            dims[j].pop()
+                            continue
+                        self.steps.append(("all-to-all", (axis,), ("local", before), before, after, j, i))
+                        moved = True
+                        break
+                if moved:
                     break
-            if moved:
-                break
 
-    # (3) all-gathers, one per dimension (minor axes first would be the same bytes).
-    for d in range(len(cur_dims)):
-        p = common_prefix(d)
-        if p < len(cur_dims[d]):
-            before = state(())
-            gathered = cur_dims[d][p:]
-            cur_dims[d] = cur_dims[d][:p]
-            after = state(())
-            # The gathered buffer holds every shard, padding included, before it is trimmed.
-            nb = ("gather", after, before, d, mesh.group_size(gathered))
-            steps.append(("all-gather", tuple(gathered), nb, before, after, d, None))
+    def all_gathers(self) -> None:
+        """(3) All-gathers, one per dimension (minor axes first would be the same bytes)."""
+        dims = self.dims
+        for d in range(len(dims)):
+            p = self.common_prefix(d)
+            if p < len(dims[d]):
+                before = self.state(())
+                gathered = dims[d][p:]
+                dims[d] = dims[d][:p]
+                after = self.state(())
+                # The gathered buffer holds every shard, padding included, before it is trimmed.
+                nb = ("gather", after, before, d, self.mesh.group_size(gathered))
+                self.steps.append(("all-gather", tuple(gathered), nb, before, after, d, None))
 
-    # (4) local slices for the axes dst adds.
-    for d in range(len(cur_dims)):
-        if tuple(cur_dims[d]) != dst.dims[d]:
-            before = state(())
-            added = dst.dims[d][len(cur_dims[d]) :]
-            cur_dims[d] = list(dst.dims[d])
-            after = state(())
-            steps.append(("slice", tuple(added), ("local", before), before, after, d, None))
-    assert state(()) == dst, (src, dst, state(()))
-    return tuple(steps)
+    def slices(self) -> None:
+        """(4) Local slices for the axes ``dst`` adds."""
+        dims = self.dims
+        for d in range(len(dims)):
+            if tuple(dims[d]) != self.dst.dims[d]:
+                before = self.state(())
+                added = self.dst.dims[d][len(dims[d]):]
+                dims[d] = list(self.dst.dims[d])
+                after = self.state(())
+                self.steps.append(("slice", tuple(added), ("local", before), before, after, d, None))
 
 
 @dataclass(frozen=True, slots=True)
