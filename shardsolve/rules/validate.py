@@ -63,6 +63,7 @@ def find_equation(fn: Callable, *args: Any, primitive: str, index: int = 0):
 
 
 def op_view(eqn) -> OpView:
+    """What a rule sees of a jaxpr equation (as ``graph.Graph.view`` gives it for a planned op)."""
     return OpView(
         eqn.primitive.name,
         eqn.params,
