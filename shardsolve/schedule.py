@@ -24,15 +24,19 @@ local slice; the evened layout stays known); each op's operands
 (``OPERANDS``); a scan's loop invariants before its loop (``LOOP_INVARIANTS``,
 see ``loop_invariant_demands``); the outputs (``OUTPUT``: the program's leave
 evened). A scan body is scheduled once, its demands running ``length`` times
-(``repeats``). Example, ``f(x, w) = tanh(x @ w).sum(0)`` with ``x: f32[32, 16]``
-pinned ``P("data")`` on ``data=2,model=4``, one possible plan::
+(``repeats``). Example: ``f(x, w) = tanh(x @ w).sum(0)`` with ``x: f32[32, 16]``
+pinned ``P("data")`` and ``w: f32[16, 8]`` pinned ``P("model")`` on
+``data=2,model=4``; the plan reads ``w`` column-split in the matmul and
+reduces over rows that ``data`` no longer splits::
 
-    site                  value    source            target            steps
-    ---------------       -----    ------            ------            -----
-    () operands of %0     args[0]  [{data}, {}]      [{data}, {}]      (none: already there)
-    () operands of %0     args[1]  [{model}, {}]     [{}, {model}]     all-to-all{model} 256 B
-    () operands of %2     %1       [{data}, {model}] [{data}, {model}] (none)
-    () outputs[0]         %2       [{model}] partial{data}  [{model}]  all-reduce{data} 16 B
+    >>> for d in plan.schedule().demands:                                 # doctest: +SKIP
+    ...     print(d.site.kind, d.site.index, d.value_name, d.source, "->", d.target,
+    ...           [(s.kind, s.axes, s.bytes) for s in d.steps], "for", d.consumer)
+    operands 0 args[0] [{data}, {}] -> [{data}, {}] [] for %0 dot_general
+    operands 0 args[1] [{model}, {}] -> [{}, {model}] [('all-to-all', ('model',), 128)] for %0 dot_general
+    operands 1 %0 [{data}, {model}] -> [{data}, {model}] [] for %1 tanh
+    operands 2 %1 [{data}, {model}] -> [{}, {model}] [('all-gather', ('data',), 256)] for %2 reduce_sum
+    output 0 %2 [{model}] -> [{model}] [] for outputs[0]
 
 Pricing is separate from building: ``Schedule.collective_steps()`` yields every
 (demand, step) that communicates, for any cost function to price
