@@ -52,11 +52,18 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Sequence
 
+import jax
+from jax.sharding import NamedSharding, PartitionSpec
+
 from shardsolve.annotations import argument_pins, broadcast_annotations, output_pins
 from shardsolve.cost import communication_time, compute_time
 from shardsolve.errors import ShardsolveError
+from shardsolve.hlo import HloCollective, collectives_from_hlo
 from shardsolve.mesh import MeshSpec, as_mesh_spec
+from shardsolve.plan import Plan
 from shardsolve.planner import plan as make_plan
+from shardsolve.sharding import Sharding
+from shardsolve.trace import abstractify
 from shardsolve.units import parse_memory_limit
 
 COLUMNS = ("gspmd", "shardy", "shardsolve", "expert")
@@ -103,7 +110,7 @@ class Column:
     communication: float = 0.0
     memory: Memory = field(default_factory=Memory)
     fits: bool | None = None  # None when no memory limit was given
-    collectives: tuple = ()  # hlo.HloCollective, in HLO text order
+    collectives: tuple[HloCollective, ...] = ()  # in HLO text order
     compile_time: float = 0.0
     in_specs: tuple[str, ...] = ()  # the compiled program's input shardings, per flattened argument
     out_specs: tuple[str, ...] = ()
@@ -169,7 +176,7 @@ class Comparison:
     mesh: MeshSpec
     columns: tuple[Column, ...]
     memory_limit: float | None = None
-    plan: Any = None  # the shardsolve Plan, when planning succeeded
+    plan: Plan | None = None  # the shardsolve Plan, when planning succeeded
     annotations: str = ""  # what was pinned, for reports
     in_pins: tuple = ()  # Sharding or None per flattened argument (when the plan's trace is known)
     out_pins: tuple = ()  # ... per flattened output
@@ -253,8 +260,6 @@ def judge(
     compile_time: float = 0.0,
 ) -> Column:
     """Read one compiled program and price it with the one cost model."""
-    from shardsolve.hlo import collectives_from_hlo
-
     costs = _cost_dict(compiled)
     flops = float(costs.get("flops", 0.0))
     nbytes = float(costs.get("bytes accessed", 0.0))
@@ -280,8 +285,6 @@ def judge(
 
 
 def _specs(shardings) -> tuple[str, ...]:
-    import jax
-
     if shardings is None:
         return ()
     try:
@@ -333,8 +336,6 @@ def _filtered_stderr(pattern: re.Pattern) -> Iterator[None]:
 @contextlib.contextmanager
 def gspmd_propagation() -> Iterator[None]:
     """Select GSPMD propagation for the block (restored afterwards, even on error), without its warning."""
-    import jax
-
     old = jax.config.jax_use_shardy_partitioner
     with _filtered_stderr(_GSPMD_WARNING), warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
@@ -347,8 +348,6 @@ def gspmd_propagation() -> Iterator[None]:
 
 @contextlib.contextmanager
 def shardy_propagation() -> Iterator[None]:
-    import jax
-
     old = jax.config.jax_use_shardy_partitioner
     jax.config.update("jax_use_shardy_partitioner", True)
     try:
@@ -366,8 +365,6 @@ def concrete_mesh(mesh: Any, spec: MeshSpec):
     The default backend's devices where there are enough, else the CPU's
     (``XLA_FLAGS=--xla_force_host_platform_device_count=N`` makes N of them).
     """
-    import jax
-
     if isinstance(mesh, jax.sharding.Mesh):
         return mesh
     devices = jax.devices()
@@ -382,10 +379,6 @@ def concrete_mesh(mesh: Any, spec: MeshSpec):
 
 def _to_named(ann: Any, jmesh, ndim: int) -> Any:
     """PartitionSpec / NamedSharding / shardsolve Sharding / None -> what ``jax.jit`` takes (None stays None)."""
-    from jax.sharding import NamedSharding, PartitionSpec
-
-    from shardsolve.sharding import Sharding
-
     if ann is None:
         return None
     if isinstance(ann, NamedSharding):
@@ -399,10 +392,6 @@ def _to_named(ann: Any, jmesh, ndim: int) -> Any:
 
 def jit_with(fun: Callable, args: Sequence[Any], jmesh, in_shardings: Any, out_shardings: Any):
     """``jax.jit(fun)`` with the annotations as ``NamedSharding`` pytrees (None leaves left to propagation)."""
-    import jax
-
-    from shardsolve.trace import abstractify
-
     abstract = tuple(jax.tree.map(abstractify, a) for a in args)
     in_tree = jax.tree_util.tree_structure(abstract)
     kwargs: dict[str, Any] = {}
@@ -463,7 +452,7 @@ def compare(
     expert_out_shardings: Any = None,
     progress: Callable[[str], None] | None = None,
     columns: Sequence[str] = COLUMNS,
-    plan: Any = None,
+    plan: Plan | None = None,
     seed: int = 0,
     source: str = "",
 ) -> Comparison:
@@ -520,10 +509,6 @@ def compare(
             bound = plan
 
             def build_plan() -> Any:
-                from shardsolve.trace import abstractify
-
-                import jax
-
                 jitted = bound.jit()
                 return jitted.flat, tuple(jax.tree_util.tree_leaves(jax.tree.map(abstractify, args)))
 
@@ -533,7 +518,7 @@ def compare(
     return Comparison(spec, tuple(out), limit, plan, _describe(in_shardings), in_pins, out_pins)
 
 
-def _pins(plan, spec: MeshSpec, in_shardings: Any, out_shardings: Any) -> tuple[tuple, tuple]:
+def _pins(plan: Plan | None, spec: MeshSpec, in_shardings: Any, out_shardings: Any) -> tuple[tuple, tuple]:
     """The annotations as one ``Sharding`` (or None) per flattened argument and output of the plan's trace."""
     if plan is None or plan.graph is None or plan.graph.traced is None:
         return (), ()
@@ -547,9 +532,6 @@ def _pins(plan, spec: MeshSpec, in_shardings: Any, out_shardings: Any) -> tuple[
 
 
 def _describe(ann: Any) -> str:
-    import jax
-    from jax.sharding import PartitionSpec
-
     if ann is None:
         return "none"
     leaves = jax.tree_util.tree_leaves(ann, is_leaf=lambda x: x is None or isinstance(x, PartitionSpec))
