@@ -74,7 +74,17 @@ from shardsolve.graph import Graph, Lit, Op, OpView, ScanBoundary
 from shardsolve.mesh import MeshSpec
 from shardsolve.rules import fallback_rule, rule_for
 from shardsolve.rules.local import fill_padding, identity, run_local
-from shardsolve.schedule import ARGUMENT, LOOP_INVARIANTS, OPERANDS, OUTPUT, Demand, Schedule, Scope, Site, is_planned_scan
+from shardsolve.schedule import (
+    ARGUMENT,
+    LOOP_INVARIANTS,
+    OPERANDS,
+    OUTPUT,
+    Demand,
+    Schedule,
+    Scope,
+    Site,
+    is_planned_scan,
+)
 from shardsolve.sharding import Sharding
 
 AxisIndex = Callable[[str], Any]

@@ -33,7 +33,6 @@ from shardsolve.trace import trace
 from shardsolve.tying import solve_tied
 from shardsolve.units import format_bytes, parse_memory_limit
 
-
 # -- solution -> plan --------------------------------------------------------
 
 

@@ -10,9 +10,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax import lax
 
+from shardsolve.graph import OpView
 from shardsolve.mesh import MeshSpec
 from shardsolve.rules import RULES, fallback_rule, rule_for
-from shardsolve.graph import OpView
 from shardsolve.rules.base import Rule
 from shardsolve.rules.structural import factorize_reshape
 from shardsolve.rules.validate import find_equation, op_view

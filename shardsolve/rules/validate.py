@@ -40,7 +40,6 @@ from shardsolve.rules.base import Rule, Strategy
 from shardsolve.rules.local import run_local
 from shardsolve.sharding import Sharding
 
-
 # -- equations ----------------------------------------------------------------
 
 
