@@ -248,7 +248,7 @@ class ProblemBuilder:
         # A scan's loop invariants (its consts, its body's closed-over constants) are resharded
         # once, before the loop (see ``schedule.loop_invariant_demands``): their reads cost the scan's scale.
         self.invariant_scale: dict[tuple, float] = {}
-        self.arguments = set(graph.inputs)
+        self.uneven_arguments: set[int] = set()  # arguments with a candidate that splits them unevenly
 
     def build(self, in_pins: Pins, out_pins: Pins, memory_limit: float | None = None,
               ties: Sequence[tuple[int, int]] = ()) -> Built:
@@ -289,10 +289,9 @@ class ProblemBuilder:
         scale = self.invariant_scale.get((scope, x), scale)
         value = g.values[x]
         producer, srcs = self.produced_at[(scope, x)]
-        mesh = self.mesh
-        if not scope and x in self.arguments and not all(s.divides(value.shape, mesh) for s in srcs):
+        if not scope and x in self.uneven_arguments:
             # An uneven argument arrives evened and keeps that layout too: reaching it again is free.
-            shardings = self.tables.shardings
+            mesh, shardings = self.mesh, self.tables.shardings
             table = np.array([[min(reshard_time_given(value.shape, value.itemsize, s, shardings[t], mesh,
                                                       s.evened(value.shape, mesh)), FORBIDDEN) for t in dst]
                               for s in srcs], dtype=np.float64)
@@ -318,6 +317,8 @@ class ProblemBuilder:
             )
             self.value_node[vid] = idx
             self.produce(((), vid), idx, list(cands))
+            if value.kind == "input" and not all(s.divides(value.shape, mesh) for s in cands):
+                self.uneven_arguments.add(vid)
             if pinned is not None:
                 self.pins.append(Pin(idx, (cands.index(pinned),), label))
 
@@ -402,11 +403,14 @@ class ProblemBuilder:
             self.scans[scope].op_node[op.id] = idx
         else:
             self.op_node[op.id] = idx
+        produced_at, ids_at = self.produced_at, self.ids_at
         for r, v in enumerate(op.outputs):
-            self.produce((scope, v), idx, [s.results[r] for s in rs.strategies], rs.result_ids[r])
+            produced_at[(scope, v)] = (idx, [s.results[r] for s in rs.strategies])
+            ids_at[(scope, v)] = rs.result_ids[r]
+        read_edge = self.read_edge
         for k, x in enumerate(op.inputs):
             if not isinstance(x, Lit):
-                self.read_edge(scope, g, x, rs.operand_ids[k], idx, scale)
+                read_edge(scope, g, x, rs.operand_ids[k], idx, scale)
 
     # -- scans -------------------------------------------------------------------------
 
