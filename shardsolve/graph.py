@@ -113,7 +113,7 @@ class Graph:
         hit = self._bodies.get(op.id)
         if hit is None:
             p = op.params
-            n_consts, n_carry = p["num_consts"], p["num_carry"]
+            n_consts, n_carry = scan_counts(op)
             n_in = len(p["jaxpr"].jaxpr.invars)
             names = ([f"const[{k}]" for k in range(n_consts)] + [f"carry[{k}]" for k in range(n_carry)]
                      + [f"xs[{k}]" for k in range(n_in - n_consts - n_carry)])

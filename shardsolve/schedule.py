@@ -50,7 +50,7 @@ from typing import Any, Iterator, Sequence
 
 from shardsolve.cost import ReshardStep, reshard_steps
 from shardsolve.errors import ShardsolveError
-from shardsolve.graph import Graph, Lit, Op, ScanBoundary, Value
+from shardsolve.graph import Graph, Lit, Op, ScanBoundary, Value, scan_counts
 from shardsolve.mesh import MeshSpec
 from shardsolve.sharding import Sharding
 
@@ -290,7 +290,7 @@ class _Builder:
         site = Site(at.scope, LOOP_INVARIANTS, op.id)
         where = f"{name} before the loop, for its body"
         own = _Scope(body, inner.scope, inner.current, inner.producer, set(), at.repeats, inner.prefix, inner.anchor)
-        n_consts = int(op.params["num_consts"])
+        n_consts = scan_counts(op)[0]
         for bvid, target in hoisted:
             start = inner.current[bvid]
             if target == start:
