@@ -206,9 +206,8 @@ class _Builder:
         return Schedule(tuple(self.demands))
 
     def reshard(self, at: _Scope, site: Site, value: Value, vid: int, start: Sharding, target: Sharding,
-                consumer: str, *, scope: Scope | None = None, value_name: str | None = None,
-                producer: str | None = None, into: int | None = None, cache: bool = True) -> None:
-        """Demand ``vid`` (a value of ``at``'s graph unless ``scope`` says otherwise) in ``target``, from ``start``.
+                consumer: str, *, into: int | None = None, cache: bool = True) -> None:
+        """Demand ``vid``, a value of ``at``'s graph, in ``target``, from ``start`` (running at ``site``).
 
         With the reshard cache (``at.seen``): a layout already made costs nothing, and the steps start
         after the last layout along the way already made. ``cache=False``: the steps are not recorded as made.
@@ -225,10 +224,8 @@ class _Builder:
             if cache:
                 at.seen.update((vid, step.dst) for step in steps)
         self.demands.append(Demand(
-            site, at.scope if scope is None else scope, vid, source, target, tuple(steps), consumer, at.repeats,
-            at.prefix + value.name if value_name is None else value_name,
-            at.producer[vid] if producer is None else producer,
-            vid if at.anchor is None else at.anchor, into,
+            site, at.scope, vid, source, target, tuple(steps), consumer, at.repeats, at.prefix + value.name,
+            at.producer[vid], vid if at.anchor is None else at.anchor, into,
         ))
 
     def walk(self, at: _Scope, ops: Sequence[Any], out_targets: Sequence[Sharding], out_names: Sequence[str]) -> None:
