@@ -8,14 +8,16 @@ cheapest strategy of ``tests/lower_cases.py``, layers untied), then
 
 * predicted: ``plan.collectives``, bytes per device of one run (a scan body's
   collectives once, as the compiled while loop shows them);
-* lowered: the optimized HLO of ``shardsolve.lower(plan)``, the rewriter's
-  shard_map program;
-* JAX: the optimized HLO of ``plan.jit()``, JAX's partitioner with the plan's
-  shardings pinned;
-* numerics of both programs against the unsharded function.
+* lowered: the collectives the rewriter wrote (the traced program of
+  ``shardsolve.lower(plan)``, before XLA);
+* JAX: the optimized HLO of ``plan.jit()``, the same program as XLA compiled it
+  (what runs);
+* pinned: the optimized HLO of ``plan.jit(execution="pinned")``, JAX's
+  partitioner with the plan's non-partial shardings pinned, for reference;
+* numerics of ``plan.jit()`` (and of the pinned program) against the unsharded function.
 
-Predicted and lowered are compared per (collective kind, mesh axes), byte for
-byte; JAX's is reported beside them. Optionally a fuzz campaign
+Predicted, lowered and JAX are compared per (collective kind, mesh axes), byte
+for byte; the pinned program is reported beside them. Optionally a fuzz campaign
 (``experiments/fuzz_lower.py``) runs afterwards and its summary lines are
 recorded in the same results file.
 
@@ -56,10 +58,11 @@ class Row:
     predicted: int
     lowered: int
     jax: int
-    exact: bool  # predicted == lowered per (kind, axes)
+    pinned: int
+    exact: bool  # predicted == lowered == JAX per (kind, axes)
     lowered_numerics: bool
-    jit_numerics: bool
-    kinds: list  # (kind, axes, predicted, lowered, jax)
+    pinned_numerics: bool
+    kinds: list  # (kind, axes, predicted, lowered, jax, pinned)
     seconds: float
     error: str = ""
 
@@ -80,14 +83,14 @@ def run_one(name: str, solver: str, mesh: str, time_limit: float) -> Row:
         if "tie" in inspect.signature(shardsolve.plan).parameters:
             kwargs["tie"] = False
         plan = plan_with_solver(greedy_solver(), model.fun, *model.args, **kwargs)
-    report = shardsolve.verify(plan, *model.args)
-    rows = report.rows()
+    report = shardsolve.verify(plan, *model.args, pinned=True)
+    rows = [(k, a, p, lo, j, report.pinned.get((k, a), 0)) for k, a, p, lo, j in report.rows()]
     status = plan.status + (f" {plan.gap:.1%}" if plan.status == "feasible" and solver == "real" else "")
     return Row(
         model.name, solver, status,
         sum(report.predicted.values()), sum(report.lowered.values()), sum(report.jax.values()),
-        report.predicted == report.lowered,
-        all(c.lowered_ok for c in report.numerics), all(c.jit_ok for c in report.numerics),
+        sum(report.pinned.values()), report.collectives_ok,
+        all(c.lowered_ok for c in report.numerics), all(c.pinned_ok for c in report.numerics),
         rows, time.time() - started,
     )
 
@@ -110,18 +113,18 @@ def _kb(n: int) -> str:
 
 def table(rows: list[Row]) -> list[str]:
     out = [
-        "| model | solver | status | predicted KiB | lowered KiB | JAX (plan.jit) KiB | predicted == lowered | "
-        "numerics lowered / jit | s |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| model | solver | status | predicted KiB | lowered KiB | JAX (plan.jit) KiB | pinned KiB | "
+        "predicted == lowered == JAX | numerics plan.jit / pinned | s |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         if r.error:
-            out.append(f"| {r.model} | {r.solver} | error: {r.error} | | | | | | |")
+            out.append(f"| {r.model} | {r.solver} | error: {r.error} | | | | | | | |")
             continue
         out.append(
             f"| {r.model} | {r.solver} | {r.status} | {_kb(r.predicted)} | {_kb(r.lowered)} | {_kb(r.jax)} | "
-            f"{'yes' if r.exact else 'NO'} | {'ok' if r.lowered_numerics else 'MISMATCH'} / "
-            f"{'ok' if r.jit_numerics else 'MISMATCH'} | {r.seconds:.0f} |"
+            f"{_kb(r.pinned)} | {'yes' if r.exact else 'NO'} | {'ok' if r.lowered_numerics else 'MISMATCH'} / "
+            f"{'ok' if r.pinned_numerics else 'MISMATCH'} | {r.seconds:.0f} |"
         )
     return out
 
@@ -132,10 +135,10 @@ def details(rows: list[Row]) -> list[str]:
         if r.error:
             continue
         out += [f"**{r.model}, {r.solver}** (bytes per device)", "",
-                "| kind | axes | predicted | lowered | JAX |", "|---|---|---|---|---|"]
-        for kind, axes, p, lo, j in r.kinds:
-            mark = "" if p == lo else " (differs)"
-            out.append(f"| {kind} | {','.join(axes)} | {p:,}{mark} | {lo:,} | {j:,} |")
+                "| kind | axes | predicted | lowered | JAX | pinned |", "|---|---|---|---|---|---|"]
+        for kind, axes, p, lo, j, pin in r.kinds:
+            mark = "" if p == lo == j else " (differs)"
+            out.append(f"| {kind} | {','.join(axes)} | {p:,}{mark} | {lo:,} | {j:,} | {pin:,} |")
         out.append("")
     return out
 
@@ -169,7 +172,7 @@ def main(argv=None) -> int:
             try:
                 rows.append(run_one(m, s, args.mesh, args.time_limit))
             except Exception as e:  # noqa: BLE001 - recorded in the table
-                rows.append(Row(m, s, "", 0, 0, 0, False, False, False, [], 0.0,
+                rows.append(Row(m, s, "", 0, 0, 0, 0, False, False, False, [], 0.0,
                                 f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"))
     lines = [
         f"# Collective bytes per device: predicted, lowered, JAX (mesh {args.mesh}, size small)",
@@ -178,9 +181,11 @@ def main(argv=None) -> int:
         + " ".join(a for a in (argv if argv is not None else sys.argv[1:])) + "`. Each model with its own "
         "annotations and carry pairs; *real*: `shardsolve.plan` with a "
         f"{args.time_limit:g} s time limit; *greedy*: the node-by-node cheapest strategy (`tests/lower_cases.py`), layers untied. "
-        "Predicted: `plan.collectives`; lowered: the compiled HLO of `shardsolve.lower(plan)`; JAX: the compiled "
-        "HLO of `plan.jit()`. A scan body's collectives count once, as the while loop shows them. Numerics: both "
-        "programs against the unsharded function (`shardsolve.verify`).",
+        "Predicted: `plan.collectives`; lowered: the collectives the rewriter wrote (the traced program of "
+        "`shardsolve.lower(plan)`); JAX: the compiled HLO of `plan.jit()` (that program, as it runs); pinned: the "
+        "compiled HLO of `plan.jit(execution=\"pinned\")` (JAX's partitioner with the plan's shardings pinned). A "
+        "scan body's collectives count once, as the while loop shows them. Numerics: both programs against the "
+        "unsharded function (`shardsolve.verify(..., pinned=True)`).",
         "",
     ] + table(rows) + [""] + details(rows)
     fuzz_runs = [(n, u) for n, u in ((args.fuzz, False), (args.fuzz_uneven, True)) if n > 0]

@@ -90,7 +90,7 @@ def run_one(model_name: str, spec: str, mesh: str, setting: str, size: str, time
         ins, outs = expert_in, expert_out
     t0 = time.perf_counter()
     cmp = compare(model.fun, *model.args, mesh=mesh, in_shardings=ins, out_shardings=outs, time_limit=time_limit,
-                  expert_in_shardings=expert_in, expert_out_shardings=expert_out,
+                  expert_in_shardings=expert_in, expert_out_shardings=expert_out, carry=model.carry,
                   progress=lambda m: say(f"{model_name} {mesh} {setting}: {m}"))
     row = Row(model_name, mesh, setting, {c.name: c for c in cmp.columns})
     if cmp.plan is not None:
@@ -101,7 +101,7 @@ def run_one(model_name: str, spec: str, mesh: str, setting: str, size: str, time
         say(f"{model_name} {mesh} {setting}: planning under the expert's memory ({limit} B)")
         try:
             plan = shardsolve.plan(model.fun, *model.args, mesh=mesh, in_shardings=ins, out_shardings=outs,
-                                   memory_limit=limit, time_limit=time_limit)
+                                   memory_limit=limit, time_limit=time_limit, carry=model.carry)
             col = compare(model.fun, *model.args, mesh=mesh, in_shardings=ins, out_shardings=outs,
                           memory_limit=limit, columns=("shardsolve",), plan=plan).columns[0]
             col = _renamed(col, "shardsolve_mem", "shardsolve @ expert memory")

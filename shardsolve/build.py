@@ -50,11 +50,12 @@ from typing import Sequence
 
 import numpy as np
 
-from shardsolve.cost import ReshardTables, reshard_time_given
+from shardsolve.cost import ReshardTables, fusion_classes, reshard_time_given
 from shardsolve.graph import Graph, Lit, Op, ScanBoundary, scan_counts
 from shardsolve.mesh import MeshSpec
 from shardsolve.problem import FORBIDDEN, Edge, Node, Pin, Problem
 from shardsolve.rules import fallback_rule, rule_for
+from shardsolve.rules.elementwise import POINTWISE
 from shardsolve.rules.base import Rule, Strategy
 from shardsolve.sharding import Sharding, candidate_shardings
 
@@ -80,7 +81,8 @@ class BuildOptions:
 class NodeInfo:
     """What one problem node decides."""
 
-    kind: str  # "input", "const", "op", "output", "scan-const", "scan-carry", "scan-xs", "scan-ys", "scan-body-const"
+    kind: str  # "input", "const", "op", "operands", "output", "scan-const", "scan-carry", "scan-xs", "scan-ys",
+    # "scan-body-const"
     ref: int  # value id (input/const), op id, or output position
     shardings: tuple[Sharding, ...] = ()  # for input/const/output nodes: strategy -> sharding
     rule: Rule | None = None
@@ -151,6 +153,51 @@ class Built:
         return self.op_node[op_id] if not scope else self.scans[scope].op_node[op_id]
 
 
+FUSED_PRODUCERS, FUSED_CONSUMERS = fusion_classes(POINTWISE)
+
+
+def memory_traffic(g: Graph, op: Op) -> tuple[bool, ...]:
+    """Which of ``op``'s operands, then results, move through memory once XLA has fused its loops.
+
+    A value is fused (never written, never loaded) when its producer is a
+    fusable producer, every reader a fusable consumer (``cost.fusion_classes``)
+    and it is no output of ``g``, and either it has one reader or its producer
+    is as cheap to repeat as a broadcast or an iota (XLA writes out a value of
+    several readers rather than compute it again). Everything else (matmuls,
+    gathers, arguments, outputs, a scan's boundary) moves.
+    """
+    return tuple([not fused(g, x) if not isinstance(x, Lit) else False for x in op.inputs]
+                 + [not fused(g, v) for v in op.outputs])
+
+
+_REPEATABLE = frozenset({"broadcast_in_dim", "iota"})
+
+
+def fused(g: Graph, vid: int) -> bool:
+    """Whether value ``vid`` of ``g`` stays inside one of XLA's loop fusions (see ``memory_traffic``)."""
+    v = g.values[vid]
+    if v.kind != "result":
+        return False
+    producer = g.ops[v.producer].primitive
+    readers = g.consumers.get(vid, [])
+    if producer not in FUSED_PRODUCERS or not readers or vid in g.output_ids:
+        return False
+    if len(readers) > 1 and producer not in _REPEATABLE:
+        return False
+    return all(g.ops[k].primitive in FUSED_CONSUMERS for k, _ in readers)
+
+
+def stacked_ys_time(g: Graph, vid: int, stacked_bytes: np.ndarray, mesh: MeshSpec) -> np.ndarray:
+    """Memory time of a scan's stacked output beyond the body's writes of its slices, per candidate.
+
+    XLA allocates the stacked buffer and fills it before the loop (one write),
+    and copies it whole (a read and a write) where a later loop reads it as its
+    xs (the forward pass's residuals read by the backward pass's loop).
+    """
+    passes = 1 + 2 * any(g.ops[k].primitive == "scan" for k, _ in g.consumers.get(vid, []))
+    return passes * stacked_bytes / mesh.hbm_bandwidth
+
+
 def expandable(op: Op) -> bool:
     """Whether ``op`` is a scan whose body can be planned once."""
     p = op.params
@@ -191,19 +238,31 @@ class RuleStrategies:
     strategies: tuple[Strategy, ...]
     costs: np.ndarray
     usage: np.ndarray
+    operand_usage: np.ndarray  # bytes of the operand layouts each strategy reads from memory
     labels: tuple[str, ...]
     operand_ids: tuple[np.ndarray, ...]
     result_ids: tuple[np.ndarray, ...]
 
     @classmethod
     def make(cls, rule: Rule, fixed: tuple[int, ...], itemsizes: tuple[int, ...], mesh: MeshSpec,
-             tables: ReshardTables, uneven: bool = True) -> RuleStrategies:
+             tables: ReshardTables, uneven: bool = True, traffic: tuple[bool, ...] | None = None) -> RuleStrategies:
         strategies = tuple(rule.strategies(mesh, fixed_operands=fixed, allow_uneven=uneven))
         n_in = len(rule.operands)
-        costs = np.array([rule.strategy_time(s, mesh, itemsizes) for s in strategies], dtype=np.float64)
-        usage = np.array(
+        costs = np.array([rule.strategy_time(s, mesh, itemsizes, traffic) for s in strategies], dtype=np.float64)
+        written = traffic[n_in:] if traffic is not None else (True,) * len(rule.results)
+        usage = np.array(  # a result fused into its readers is never allocated
             [
-                sum(r.local_bytes(rule.result_shape(k), itemsizes[n_in + k], mesh) for k, r in enumerate(s.results))
+                sum(r.local_bytes(rule.result_shape(k), itemsizes[n_in + k], mesh)
+                    for k, r in enumerate(s.results) if written[k])
+                for s in strategies
+            ],
+            dtype=np.float64,
+        )
+        read = traffic[:n_in] if traffic is not None else (True,) * n_in
+        operand_usage = np.array(  # the layouts it reads, materialised (a reshard's result is a new buffer)
+            [
+                sum(o.local_bytes(rule.operand_shape(k), itemsizes[k], mesh)
+                    for k, o in enumerate(s.operands) if read[k] and k not in fixed)
                 for s in strategies
             ],
             dtype=np.float64,
@@ -212,6 +271,7 @@ class RuleStrategies:
             strategies,
             costs,
             usage,
+            operand_usage,
             tuple(s.describe() for s in strategies),
             tuple(tables.ids([s.operands[k] for s in strategies]) for k in range(n_in)),
             tuple(tables.ids([s.results[k] for s in strategies]) for k in range(len(rule.results))),
@@ -383,10 +443,12 @@ class ProblemBuilder:
         if rule is None:
             rule = fallback_rule(view)
         itemsizes = tuple(np.dtype(d).itemsize for d in view.in_dtypes + view.out_dtypes)
-        key = (rule, op.literal_operands, itemsizes)
+        traffic = memory_traffic(g, op)
+        key = (rule, op.literal_operands, itemsizes, traffic)
         rs = self.rule_cache.get(key)
         if rs is None:
-            rs = RuleStrategies.make(rule, op.literal_operands, itemsizes, self.mesh, self.tables, self.options.uneven)
+            rs = RuleStrategies.make(rule, op.literal_operands, itemsizes, self.mesh, self.tables, self.options.uneven,
+                                     traffic)
             self.rule_cache[key] = rs
         return rule, fallback, rs
 
@@ -403,6 +465,7 @@ class ProblemBuilder:
             self.scans[scope].op_node[op.id] = idx
         else:
             self.op_node[op.id] = idx
+            self.add_operands(idx, rs, interval[0], name, op.id)
         produced_at, ids_at = self.produced_at, self.ids_at
         for r, v in enumerate(op.outputs):
             produced_at[(scope, v)] = (idx, [s.results[r] for s in rs.strategies])
@@ -411,6 +474,23 @@ class ProblemBuilder:
         for k, x in enumerate(op.inputs):
             if not isinstance(x, Lit):
                 read_edge(scope, g, x, rs.operand_ids[k], idx, scale)
+
+    def add_operands(self, idx: int, rs: RuleStrategies, step: int, name: str, op_id: int) -> None:
+        """The memory of the operand layouts op node ``idx`` reads, live during its own time step.
+
+        A consumer reads each operand in its strategy's layout; where that is
+        not the producer's, the reshard's result is a buffer of its own (an
+        all-gathered weight of FSDP is a whole weight). The node takes the op's
+        strategy (an edge forbids any other), costs nothing and holds those
+        bytes from ``step`` to ``step + 1``: where no reshard is needed it
+        counts the operand twice for one step, so the peak errs high.
+        """
+        if not np.any(rs.operand_usage):
+            return
+        aux = self.add(Node(f"{name} operands", np.zeros(len(rs.strategies)), rs.operand_usage, (step, step + 1),
+                            rs.labels), NodeInfo("operands", op_id, strategies=rs.strategies))
+        n = len(rs.strategies)
+        self.edges[(idx, aux)] = np.where(np.eye(n, dtype=bool), 0.0, FORBIDDEN)
 
     # -- scans -------------------------------------------------------------------------
 
@@ -478,17 +558,18 @@ class ProblemBuilder:
         mesh = self.mesh
         n_carry = scan_counts(op)[1]
         inner = scope + (op.id,)
+        outer_scale = inner_scale / max(1, int(op.params["length"]))
         for r, bx in enumerate(sn.body.outputs):
             if r < n_carry:
                 to = sn.carry[r]
             else:
                 out_val = g.values[op.outputs[r]]
                 cands = tuple(candidate_shardings(out_val.shape[1:], mesh))
+                stacked = np.array([ScanBoundary.stacked(c).local_bytes(out_val.shape, out_val.itemsize, mesh)
+                                    for c in cands], dtype=np.float64)
                 to = self.add(
-                    Node(f"{name} ys[{r - n_carry}]", np.zeros(len(cands)),
-                         np.array([ScanBoundary.stacked(c).local_bytes(out_val.shape, out_val.itemsize, mesh)
-                                   for c in cands], dtype=np.float64),
-                         (step, end), tuple(map(str, cands))),
+                    Node(f"{name} ys[{r - n_carry}]", stacked_ys_time(g, op.outputs[r], stacked, mesh) * outer_scale,
+                         stacked, (step, end), tuple(map(str, cands))),
                     NodeInfo("scan-ys", op.id, cands, scope=inner),
                 )
                 sn.ys.append(to)

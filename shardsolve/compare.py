@@ -8,18 +8,19 @@ column         program
 =============  ==========================================================================
 ``shardy``     ``jax.jit(fun, in_shardings=..., out_shardings=...)``, Shardy propagation
 ``gspmd``      the same with GSPMD propagation (``jax_use_shardy_partitioner=False``)
-``shardsolve`` ``shardsolve.plan(...).jit()``: every intermediate pinned to the plan
+``shardsolve`` ``shardsolve.plan(...).jit()``: the plan's own program (its collectives, no others)
 ``expert``     optional: ``jax.jit`` with a hand-written annotation, Shardy propagation
 =============  ==========================================================================
 
 Each compiled program is read, not trusted: per-device FLOPs and bytes accessed
-from ``compiled.cost_analysis()``, per-device memory from
+from ``compiled.cost_analysis()`` (which counts a while body once: the runs it
+misses are added from the optimized HLO, ``hlo.loop_adjustment``), per-device memory from
 ``compiled.memory_analysis()`` (argument + output + temp - alias), and the
 collectives from the optimized HLO (``shardsolve.hlo``). Then the one cost model
 (``shardsolve.cost``) prices every column alike::
 
     compute        = cost.compute_time(flops, bytes_accessed, mesh)
-    communication  = cost.communication_time(collectives, mesh)   # cost.hlo_collective_time of each
+    communication  = cost.communication_time(collectives, mesh)   # cost.hlo_collective_time of each, times its runs
     step time      = compute + communication
     fits           = peak_memory <= memory_limit
 
@@ -58,7 +59,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from shardsolve.annotations import argument_pins, broadcast_annotations, output_pins
 from shardsolve.cost import communication_time, compute_time
 from shardsolve.errors import ShardsolveError
-from shardsolve.hlo import HloCollective, collectives_from_hlo
+from shardsolve.hlo import HloCollective, collectives_from_hlo, loop_adjustment
 from shardsolve.mesh import MeshSpec, as_mesh_spec
 from shardsolve.plan import Plan
 from shardsolve.planner import plan as make_plan
@@ -104,8 +105,8 @@ class Column:
     name: str  # one of COLUMNS (or a caller's own label)
     label: str  # for tables: "GSPMD", "Shardy", "shardsolve", "expert"
     error: str = ""  # one line when this column failed; everything below is then empty
-    flops: float = 0.0  # per device, from cost_analysis()
-    bytes_accessed: float = 0.0  # per device, from cost_analysis()
+    flops: float = 0.0  # per device, from cost_analysis() with while bodies times their trip count
+    bytes_accessed: float = 0.0  # per device, likewise
     compute: float = 0.0
     communication: float = 0.0
     memory: Memory = field(default_factory=Memory)
@@ -261,10 +262,11 @@ def judge(
 ) -> Column:
     """Read one compiled program and price it with the one cost model."""
     costs = _cost_dict(compiled)
-    flops = float(costs.get("flops", 0.0))
-    nbytes = float(costs.get("bytes accessed", 0.0))
-    memory = _memory(compiled)
     text = compiled.as_text()
+    loop_flops, loop_bytes = loop_adjustment(text)
+    flops = float(costs.get("flops", 0.0)) + loop_flops
+    nbytes = float(costs.get("bytes accessed", 0.0)) + loop_bytes
+    memory = _memory(compiled)
     collectives = tuple(c for c in collectives_from_hlo(text, mesh) if c.axes)
     fits = None if memory_limit is None else memory.peak <= memory_limit
     return Column(
@@ -455,6 +457,7 @@ def compare(
     plan: Plan | None = None,
     seed: int = 0,
     source: str = "",
+    carry: Sequence[tuple[int, int]] = (),
 ) -> Comparison:
     """Compile ``fun(*args)`` with GSPMD, Shardy and shardsolve's plan from the same annotations, and judge all alike.
 
@@ -462,7 +465,8 @@ def compare(
     column: ``jax.jit`` with that annotation under Shardy. ``plan`` reuses an
     already made plan instead of planning again. ``memory_limit`` is passed to
     the planner and sets each column's ``fits``; ``source`` is recorded in the
-    plan (``Plan.source``). See the module docstring.
+    plan (``Plan.source``); ``carry`` goes to the planner (``shardsolve.plan``).
+    See the module docstring.
     """
     say = progress or (lambda message: None)
     spec = as_mesh_spec(mesh)
@@ -494,7 +498,7 @@ def compare(
                 try:
                     plan = make_plan(
                         fun, *args, mesh=spec, in_shardings=in_shardings, out_shardings=out_shardings,
-                        memory_limit=limit, time_limit=time_limit, seed=seed, source=source,
+                        memory_limit=limit, time_limit=time_limit, seed=seed, source=source, carry=carry,
                         progress=(lambda m: say(f"planning: {m}")) if progress else None,
                     )
                 except ShardsolveError as e:

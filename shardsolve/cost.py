@@ -21,6 +21,10 @@ part of an axis, or irregular ones, priced as an axis of their size).
 
 Compute is roofline-style per device: ``max(flops/peak_flops, bytes/hbm_bw)``
 where flops and bytes are one device's share, so replicated work is never free.
+The bytes are those a compiled kernel moves through HBM: XLA fuses chains of
+elementwise and layout operations into one loop (``FUSED_PRODUCERS`` /
+``FUSED_CONSUMERS``), so a value made by one such operation and read only by
+others is never written out, and its readers do not load it.
 
 Reshard prices are cached here, and only here: the steps of a (source,
 destination) pair are worked out once per shape class and compiled
@@ -128,6 +132,21 @@ def collective_time(kind: str, axes: Sequence[str], nbytes: float, mesh: MeshSpe
     return collective_cost(kind, tuple(axes), mesh).time(nbytes)
 
 
+# XLA's loop fusion, as the cost model sees it: an operation in FUSED_PRODUCERS fuses into the readers of
+# its result that are in FUSED_CONSUMERS (elementwise and layout operations; reductions read a fused input
+# but their result is written out, as a fusion's root).
+_LAYOUT = ("broadcast_in_dim", "reshape", "squeeze", "expand_dims", "convert_element_type", "transpose", "iota",
+           "select_n", "slice", "concatenate", "pad", "rev")
+_REDUCTIONS = ("reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and", "reduce_or", "argmax",
+               "argmin", "dynamic_slice")
+
+
+def fusion_classes(pointwise: Iterable[str]) -> tuple[frozenset[str], frozenset[str]]:
+    """(FUSED_PRODUCERS, FUSED_CONSUMERS) given the names of the pointwise primitives."""
+    producers = frozenset(pointwise) | frozenset(_LAYOUT)
+    return producers, producers | frozenset(_REDUCTIONS)
+
+
 def compute_time(flops: float, nbytes: float, mesh: MeshSpec) -> float:
     """Roofline time of one device's share of an operation."""
     return max(flops / mesh.peak_flops, nbytes / mesh.hbm_bandwidth)
@@ -178,8 +197,11 @@ def _irregular_group_size(c: Any, mesh: MeshSpec) -> int:
 
 
 def communication_time(collectives: Iterable[Any], mesh: MeshSpec) -> float:
-    """Seconds of the given collectives (``hlo.HloCollective`` or predicted ones) under the cost model."""
-    return sum(hlo_collective_time(c, mesh) for c in collectives)
+    """Seconds per step of the given collectives (``hlo.HloCollective`` or predicted ones) under the cost model.
+
+    Each counts ``repeats`` runs (a collective in a while body runs its trip count times).
+    """
+    return sum(hlo_collective_time(c, mesh) * getattr(c, "repeats", 1) for c in collectives)
 
 
 # -- reshard steps ---------------------------------------------------------------------

@@ -1,9 +1,24 @@
-"""Export a plan to JAX: ``NamedSharding`` pytrees and a pinned ``jax.jit``.
+"""Export a plan to JAX: ``NamedSharding`` pytrees and ``plan.jit()``.
 
-``plan_jit`` re-runs the plan's flat jaxpr with
-``jax.lax.with_sharding_constraint`` on every intermediate whose planned
-sharding is expressible as a ``PartitionSpec`` (partial values are not), so
-JAX's partitioner sees the whole plan, not only its boundary.
+``plan_jit`` has two ways to run a plan, chosen by ``execution``:
+
+``"lowered"`` (the default)
+    the rewriter's program (``shardsolve.lower``): every operation on local
+    shards inside one ``jax.shard_map``, every collective one the plan's
+    schedule names. Nothing is left to JAX's partitioner, so the program runs
+    exactly the planned collectives, partial (pending-sum) values included.
+``"pinned"``
+    the plan's flat jaxpr re-run with ``jax.lax.with_sharding_constraint`` on
+    every intermediate whose planned sharding is a ``PartitionSpec``, under
+    ``jax.jit``: JAX's partitioner sees the whole plan but decides where to
+    reduce the values the plan keeps partial (a constraint cannot pin a pending
+    sum), so its collectives can differ from the plan's. Useful to see what
+    propagation makes of a plan; ``shardsolve.verify(..., pinned=True)``
+    reports it.
+
+Both take and return arrays laid out as ``plan.in_shardings`` /
+``plan.out_shardings``: plain ``NamedSharding``s, the same a user's own
+``jax.jit(fun, in_shardings=..., out_shardings=...)`` takes.
 
 JAX refuses a ``NamedSharding`` that does not divide its dimension in
 ``in_shardings``/``out_shardings`` (and in ``jax.device_put``), but pads one
@@ -24,6 +39,7 @@ from jax.sharding import NamedSharding
 
 from shardsolve.errors import ShardsolveError
 from shardsolve.graph import Lit, ScanBoundary
+from shardsolve.lower import lower
 from shardsolve.schedule import is_planned_scan
 from shardsolve.sharding import Sharding
 
@@ -132,8 +148,20 @@ def _run_scan(graph, op, op_plan, operands: list, mesh: Any) -> list:
     return list(new_carry) + list(ys)
 
 
-def plan_jit(plan, **jit_kwargs) -> Callable:
-    """``jax.jit`` of the plan's function with its shardings; same call signature as the function."""
+EXECUTIONS = ("lowered", "pinned")
+
+
+def plan_jit(plan, execution: str = "lowered", **jit_kwargs) -> Callable:
+    """The plan's program under ``jax.jit``, with the function's call signature (see the module docstring).
+
+    ``.lower(*args)`` gives the jitted program's ``Lowered`` (arguments may be
+    ``ShapeDtypeStruct``s) and ``.flat`` the jitted function over flat arguments.
+    """
+    if execution not in EXECUTIONS:
+        raise ShardsolveError(f"plan.jit(execution={execution!r}) is not a way to run a plan; choose one of "
+                              f"{', '.join(map(repr, EXECUTIONS))}")
+    if execution == "lowered":
+        return lower(plan, **jit_kwargs)
     plan.require_bound()
     mesh = plan.mesh.devices_mesh("plan.jit()")
     run = pinned_function(plan, mesh)

@@ -15,6 +15,7 @@ program order, so op ``k`` runs at time ``k`` of the liveness model.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -102,6 +103,11 @@ class Graph:
     traced: Traced | None = None
     consumers: dict[int, list[tuple[int, int]]] = field(default_factory=dict)  # value -> [(op, operand)]
     _bodies: dict[int, Graph] = field(default_factory=dict, repr=False)  # scan op id -> body graph
+
+    @functools.cached_property
+    def output_ids(self) -> frozenset[int]:
+        """The value ids among ``outputs`` (literals left out)."""
+        return frozenset(x for x in self.outputs if not isinstance(x, Lit))
 
     def body(self, op: Op) -> Graph:
         """The graph of a ``scan`` op's body, nested calls inlined (built once, then cached).

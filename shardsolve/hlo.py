@@ -67,6 +67,9 @@ class HloCollective:
     group_order: tuple[str, ...] = ()  # the axes in the order the groups list devices (major first)
     groups: str = ""  # the replica groups as printed
     is_async: bool = False
+    # Runs per step: inside a while body, the loop's known trip count (times enclosing loops').
+    # ``bytes`` is one run's, as inventories compare them; time is priced per run, times ``repeats``.
+    repeats: int = 1
 
     def __str__(self) -> str:
         return f"{self.kind}{{{','.join(self.axes)}}} {self.bytes} B {self.shape} [{self.op_name}]"
@@ -465,7 +468,12 @@ def collective_operand_shapes(text: str) -> dict[str, list[str]]:
 
 
 def collectives_from_hlo(text: str, mesh: MeshSpec) -> list[HloCollective]:
-    """Every collective of an optimized HLO module, in text order (see the module docstring)."""
+    """Every collective of an optimized HLO module, in text order (see the module docstring).
+
+    Each one's ``repeats`` says how often it runs per step (``computation_runs``).
+    """
+    runs = {name: n for name, n in computation_runs(text).items()}
+    where = _computation_of_lines(text)
     instrs = instructions(text)
     shape_of = {i.name: i.shape for i in instrs}
     done_of: dict[str, str] = {}
@@ -503,7 +511,7 @@ def collectives_from_hlo(text: str, mesh: MeshSpec) -> list[HloCollective]:
         op_name, source = _metadata(ins.attrs, sources)
         out.append(
             HloCollective(kind, span.axes, nbytes, out_shape, op_name, source, ins.name, span.order, groups_text,
-                          is_async)
+                          is_async, max(1, runs.get(where.get(ins.name, ""), 1)))
         )
     return out
 
@@ -519,6 +527,187 @@ def _permute_axes(pairs: Sequence[Sequence[int]], mesh: MeshSpec) -> _Span:
         moved |= {i for i in range(len(sizes)) if a[i] != b[i]}
     axes = tuple(mesh.names[i] for i in sorted(moved))
     return _Span(axes, axes)
+
+
+# -- computations and loops ------------------------------------------------------------
+
+_COMPUTATION = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*\(.*\)\s*->.*\{\s*$")
+_CALLEE = re.compile(r"\b(calls|body|condition|to_apply|branch_computations|true_computation|false_computation)"
+                     r"=(?:\{([^}]*)\}|%?([\w.\-]+))")
+_TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+# Computations that run as code of their own (not inlined into a fusion or applied per element).
+_CONTROL = ("body", "condition", "branch_computations", "true_computation", "false_computation")
+
+
+def computations(text: str) -> tuple[dict[str, list[str]], str]:
+    """Computation name -> its instruction lines, and the ENTRY computation's name."""
+    comps: dict[str, list[str]] = {}
+    entry, current = "", None
+    for line in text.splitlines():
+        m = _COMPUTATION.match(line)
+        if m:
+            current = m.group(2)
+            comps[current] = []
+            if m.group(1):
+                entry = current
+        elif current is not None:
+            if line.startswith("}"):
+                current = None
+            else:
+                comps[current].append(line)
+    return comps, entry
+
+
+def _computation_of_lines(text: str) -> dict[str, str]:
+    """Instruction name -> the computation it belongs to."""
+    out = {}
+    for comp, lines in computations(text)[0].items():
+        for line in lines:
+            m = _HEAD.match(line)
+            if m:
+                out[m.group(1)] = comp
+    return out
+
+
+def _calls(lines: Sequence[str]) -> list[tuple[str, str, int]]:
+    """(callee, how it is called, trip count) of every computation the lines call."""
+    out = []
+    for line in lines:
+        trip = _TRIP.search(line) if " while(" in line else None
+        n = int(trip.group(1)) if trip else 1
+        for how, listed, one in _CALLEE.findall(line):
+            for callee in re.split(r",\s*", listed) if listed else [one]:
+                out.append((callee.strip().lstrip("%"), how, n if how in ("body", "condition") else 1))
+    return out
+
+
+def computation_runs(text: str, *, trip_counts: bool = True) -> dict[str, int]:
+    """How many times each computation runs per step: a while body its known trip count times its caller's.
+
+    With ``trip_counts=False`` every loop counts once, as ``compiled.cost_analysis()`` counts it.
+    A computation that is never called (or whose loop has no known trip count) counts once.
+    """
+    comps, entry = computations(text)
+    if not entry:
+        return {c: 1 for c in comps}
+    edges = {c: [(d, n) for d, _, n in _calls(lines) if d in comps] for c, lines in comps.items()}
+    order: list[str] = []
+    seen: set[str] = set()
+
+    def visit(c: str) -> None:  # callees after callers (reverse post-order); HLO call graphs are acyclic
+        stack = [(c, iter(edges[c]))]
+        seen.add(c)
+        while stack:
+            node, it = stack[-1]
+            nxt = next(it, None)
+            if nxt is None:
+                order.append(node)
+                stack.pop()
+            elif nxt[0] not in seen:
+                seen.add(nxt[0])
+                stack.append((nxt[0], iter(edges[nxt[0]])))
+
+    visit(entry)
+    runs = {c: 0 for c in comps}
+    runs[entry] = 1
+    for c in reversed(order):
+        for d, n in edges[c]:
+            runs[d] += runs[c] * (n if trip_counts else 1)
+    return {c: max(1, r) for c, r in runs.items()}
+
+
+_NO_TRAFFIC = ("parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all", "partition-id",
+               "replica-id", "while", "conditional", "call")
+
+
+def _dot_flops(ins: Instruction, shape_of: dict[str, str]) -> float:
+    """2 * output elements * contracted size of a ``dot``; 0 for anything else."""
+    if ins.opcode != "dot" or not ins.operands:
+        return 0.0
+    dims = _attr(ins.attrs, "lhs_contracting_dims") or "{}"
+    lhs = _ARRAY.search(strip_layouts(shape_of.get(ins.operands[0], "")))
+    if lhs is None:
+        return 0.0
+    lhs_dims = [int(d) for d in lhs.group(2).split(",") if d.strip()]
+    k = math.prod(lhs_dims[i] for i in _ints(dims) if i < len(lhs_dims))
+    out = _ARRAY.search(strip_layouts(ins.shape))
+    n = math.prod(int(d) for d in out.group(2).split(",") if d.strip()) if out else 0
+    return 2.0 * n * k
+
+
+def _traffic(ins: Instruction, shape_of: dict[str, str], comps: dict[str, list[str]]) -> float:
+    """Bytes one run of a loop body's instruction reads and writes, as XLA's cost analysis counts them.
+
+    A dynamic slice reads its slice, a dynamic-update-slice (in place) writes its
+    update; a fusion is counted at its boundary, each parameter that is only
+    sliced inside counted at its slices, a dynamic-update-slice root at its update.
+    """
+    if ins.opcode in _NO_TRAFFIC:
+        return 0.0
+    operands = [shape_bytes(shape_of.get(o, "")) for o in ins.operands]
+    if ins.opcode == "dynamic-slice":
+        return 2.0 * shape_bytes(ins.shape)
+    if ins.opcode == "dynamic-update-slice":
+        return 2.0 * (operands[1] if len(operands) > 1 else 0)
+    if ins.opcode != "fusion":
+        return float(shape_bytes(ins.shape) + sum(operands))
+    called = _attr(ins.attrs, "calls")
+    body = [i for i in map(parse_instruction, comps.get((called or "").lstrip("%"), ())) if i is not None]
+    if not body:
+        return float(shape_bytes(ins.shape) + sum(operands))
+    inner_shape = {i.name: i.shape for i in body}
+    params = {i.name: int(_ints(i.operands[0])[0]) if i.operands and _ints(i.operands[0]) else -1
+              for i in body if i.opcode == "parameter"}
+    users: dict[str, list[Instruction]] = defaultdict(list)
+    for i in body:
+        for o in i.operands:
+            users[o].append(i)
+    root = body[-1]
+    for line in comps.get((called or "").lstrip("%"), ()):
+        if line.lstrip().startswith("ROOT"):
+            root = parse_instruction(line) or root
+    in_place = root.operands[0] if root.opcode == "dynamic-update-slice" and root.operands else None
+    total = 0.0
+    for name, k in params.items():
+        full = operands[k] if 0 <= k < len(operands) else shape_bytes(inner_shape[name])
+        uses = users.get(name, [])
+        if name == in_place:
+            continue
+        if uses and all(u.opcode == "dynamic-slice" and u.operands[0] == name for u in uses):
+            total += sum(shape_bytes(u.shape) for u in uses)
+        else:
+            total += full
+    if in_place is not None:
+        total += shape_bytes(inner_shape.get(root.operands[1], "")) if len(root.operands) > 1 else 0
+    else:
+        total += shape_bytes(ins.shape)
+    return total
+
+
+def loop_adjustment(text: str) -> tuple[float, float]:
+    """(FLOPs, bytes accessed) that ``cost_analysis()`` leaves out by counting each while body once.
+
+    For every computation that runs more often than once per loop entry: its
+    ``dot`` FLOPs (fused ones included) and the bytes its instructions read and
+    write (``_traffic``: the instructions of loop bodies, fusions at their
+    boundary), times the runs ``cost_analysis()`` misses.
+    """
+    comps, entry = computations(text)
+    if not entry:
+        return 0.0, 0.0
+    real, once = computation_runs(text), computation_runs(text, trip_counts=False)
+    control = {entry} | {d for lines in comps.values() for d, how, _ in _calls(lines) if how in _CONTROL}
+    flops = nbytes = 0.0
+    for comp, lines in comps.items():
+        missing = real.get(comp, 1) - once.get(comp, 1)
+        if missing <= 0:
+            continue
+        instrs = [i for i in map(parse_instruction, lines) if i is not None]
+        shape_of = {i.name: i.shape for i in instrs}
+        flops += missing * sum(_dot_flops(i, shape_of) for i in instrs)
+        if comp in control:
+            nbytes += missing * sum(_traffic(i, shape_of, comps) for i in instrs)
+    return flops, nbytes
 
 
 # -- inventories ---------------------------------------------------------------------

@@ -474,7 +474,7 @@ class _Rewriter:
         return list(new_carry) + list(ys)
 
 
-def lower(plan) -> Callable:
+def lower(plan, **jit_kwargs) -> Callable:
     """The rewriter's program for ``plan``: call it like the planned function.
 
     The returned function lays its arguments out as ``plan.inputs``
@@ -483,7 +483,8 @@ def lower(plan) -> Callable:
     ``jax.shard_map`` and returns the outputs in the planned function's pytree
     structure, laid out as ``plan.outputs`` (evened, as ``plan.out_shardings``). ``.lower(*args)`` gives the jitted
     program's ``Lowered`` (arguments may be ``ShapeDtypeStruct``s) and ``.flat``
-    the jitted function over flat arguments.
+    the jitted function over flat arguments. ``jit_kwargs`` go to ``jax.jit``
+    (``donate_argnums`` counts flattened argument leaves).
     """
     plan.require_bound()
     mesh = plan.mesh.devices_mesh("lowering")
@@ -505,7 +506,8 @@ def lower(plan) -> Callable:
     def flat_program(*flat_args):
         return body(*flat_args, *const_values)
 
-    flat_jit = jax.jit(flat_program, in_shardings=tuple(in_named[: len(plan.inputs)]), out_shardings=tuple(out_named))
+    flat_jit = jax.jit(flat_program, in_shardings=tuple(in_named[: len(plan.inputs)]), out_shardings=tuple(out_named),
+                       **jit_kwargs)
 
     def flatten(args) -> list:
         leaves, tree = jax.tree_util.tree_flatten(args)
@@ -530,8 +532,69 @@ def lower(plan) -> Callable:
 
     call.lower = lambda *args: flat_jit.lower(*laid_out(flatten(args)))  # type: ignore[attr-defined]
     call.flat = flat_jit  # type: ignore[attr-defined]
+    call.flatten = flatten  # type: ignore[attr-defined]
+    call.laid_out = laid_out  # type: ignore[attr-defined]
     call.ops = lowered  # type: ignore[attr-defined]
     return call
+
+
+# -- the collectives a lowered program emits -----------------------------------------------
+
+# Collective primitives of a shard_map body and the HLO kind each becomes.
+_EMITTED = {
+    "psum": "all-reduce", "psum_invariant": "all-reduce", "pmax": "all-reduce", "pmin": "all-reduce",
+    "all_gather": "all-gather", "all_gather_invariant": "all-gather", "reduce_scatter": "reduce-scatter",
+    "all_to_all": "all-to-all", "ppermute": "collective-permute",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class EmittedCollective:
+    """One collective the rewriter wrote into its program, read from the program's jaxpr.
+
+    ``bytes`` per device, the larger of the input and output buffers (the
+    convention of ``cost.ReshardStep`` and ``hlo.HloCollective``); ``op_name`` the
+    JAX name stack (``ss12/ssr7``, as ``attribution`` reads). A collective in a
+    scan body is listed once, as a compiled while loop shows it.
+    """
+
+    kind: str
+    axes: tuple[str, ...]
+    bytes: int
+    op_name: str
+    name: str = ""
+
+
+def emitted_collectives(run: Callable, *args: Any) -> list[EmittedCollective]:
+    """The collectives in the traced program of ``run = lower(plan)`` for ``args``, before XLA optimises it.
+
+    These are what the rewriter wrote, step by step from the schedule; the
+    optimized HLO of the same program (``shardsolve.hlo.collectives_from_hlo``)
+    is what XLA made of them.
+    """
+    closed = jax.make_jaxpr(run.flat)(*run.laid_out(run.flatten(args)))
+    out: list[EmittedCollective] = []
+    _walk_emitted(closed.jaxpr, "", out)
+    return out
+
+
+def _walk_emitted(jaxpr, prefix: str, out: list[EmittedCollective]) -> None:
+    for eqn in jaxpr.eqns:
+        stack = str(eqn.source_info.name_stack)
+        where = f"{prefix}/{stack}" if prefix and stack else (prefix or stack)
+        kind = _EMITTED.get(eqn.primitive.name)
+        if kind is not None:
+            axes = eqn.params.get("axes", eqn.params.get("axis_name", ()))
+            axes = (axes,) if isinstance(axes, str) else tuple(axes)
+            sizes = [math.prod(v.aval.shape) * np.dtype(v.aval.dtype).itemsize
+                     for v in list(eqn.invars) + list(eqn.outvars) if hasattr(v.aval, "shape")]
+            out.append(EmittedCollective(kind, tuple(str(a) for a in axes), int(max(sizes, default=0)), where,
+                                         eqn.primitive.name))
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, (tuple, list)) else (param,):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    _walk_emitted(inner, where, out)
 
 
 # -- attribution -------------------------------------------------------------------------

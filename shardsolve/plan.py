@@ -264,9 +264,16 @@ class Plan:
         """
         return named_tree(self, self.outputs, "out")
 
-    def jit(self, **jit_kwargs) -> Callable:
-        """``jax.jit`` of the function with the plan's in/out shardings and every intermediate pinned."""
-        return plan_jit(self, **jit_kwargs)
+    def jit(self, execution: str = "lowered", **jit_kwargs) -> Callable:
+        """The plan as a jitted callable with the function's signature, laid out as ``in/out_shardings``.
+
+        ``execution="lowered"`` (the default) runs the rewriter's ``shard_map``
+        program (``shardsolve.lower``): exactly the planned collectives.
+        ``"pinned"`` is ``jax.jit`` of the function with every non-partial
+        intermediate pinned by ``with_sharding_constraint``, leaving JAX's
+        partitioner to place the reductions of partial values.
+        """
+        return plan_jit(self, execution, **jit_kwargs)
 
     def bind(self, fun: Callable, *args: Any) -> Plan:
         """Attach a function to a loaded plan, checking its signature against the plan's."""

@@ -12,12 +12,14 @@ layer tying from ``tying`` where the program repeats itself), then
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import math
 import time
 from collections import Counter
 from typing import Any, Callable, Sequence
 
+import jax
 import numpy as np
 
 import shardsolve.encodings as encodings
@@ -25,33 +27,32 @@ from shardsolve.annotations import argument_pins, carry_pairs, output_pins
 from shardsolve.build import BuildOptions, Built, build_problem
 from shardsolve.errors import InfeasibleError, ShardsolveError
 from shardsolve.graph import Graph, Lit
+from shardsolve.problem import MEMORY_LIMIT_LABEL
 from shardsolve.mesh import MeshSpec, as_mesh_spec
 from shardsolve.plan import Cost, OpPlan, Plan, Signature, predicted_collectives
 from shardsolve.schedule import build_schedule
 from shardsolve.sharding import Sharding
-from shardsolve.trace import trace
+from shardsolve.trace import abstractify, trace
 from shardsolve.tying import solve_tied
 from shardsolve.units import format_bytes, parse_memory_limit
 
 # -- solution -> plan --------------------------------------------------------
 
 
-def _op_plans(g: Graph, built: Built, a: Sequence[int], scope: tuple, fallbacks: Counter,
-              compute: list[float]) -> tuple[OpPlan, ...]:
-    """The ``OpPlan`` of every op of ``g`` (a program or a scan body), summing node costs into ``compute``."""
+def _op_plans(g: Graph, built: Built, a: Sequence[int], scope: tuple, fallbacks: Counter) -> tuple[OpPlan, ...]:
+    """The ``OpPlan`` of every op of ``g`` (a program or a scan body)."""
     ops = []
     for op in g.ops:
         sn = built.scans.get(scope + (op.id,))
         if sn is not None:
             b = sn.boundary(built.nodes, a)
-            body = _op_plans(sn.body, built, a, scope + (op.id,), fallbacks, compute)
+            body = _op_plans(sn.body, built, a, scope + (op.id,), fallbacks)
             ops.append(OpPlan(op.primitive, b.operands, b.results, f"body planned once, x{sn.length}", False,
                               body=body, length=sn.length, body_consts=b.body_consts))
             continue
         idx = built.op_node_of(scope, op.id)
         info = built.nodes[idx]
         strategy = info.strategies[a[idx]]
-        compute[0] += float(built.problem.nodes[idx].costs[a[idx]])
         if info.fallback:
             fallbacks[op.primitive] += 1
         ops.append(OpPlan(op.primitive, strategy.operands, strategy.results, strategy.describe(), info.fallback))
@@ -66,9 +67,9 @@ def to_plan(graph: Graph, built: Built, solution, mesh: MeshSpec, fun: Callable 
     outputs = tuple(Sharding.replicated(np.ndim(x.value)) if isinstance(x, Lit) else built.sharding(built.output_node[k], a)
                     for k, x in enumerate(graph.outputs))
     fallbacks: Counter = Counter()
-    total = [0.0]
-    ops = _op_plans(graph, built, a, (), fallbacks, total)
-    compute = total[0]
+    ops = _op_plans(graph, built, a, (), fallbacks)
+    # Every node's cost is compute or memory time (ops, a scan's stacked outputs); reshards are on the edges.
+    compute = float(sum(node.costs[a[k]] for k, node in enumerate(built.problem.nodes)))
     collectives = predicted_collectives(build_schedule(graph, mesh, inputs, consts, outputs, ops), mesh)
     communication = sum(c.time for c in collectives)
     by_kind: Counter = Counter()
@@ -127,6 +128,7 @@ def plan(
     tie: bool = True,
     expand_scans: bool = True,
     uneven: bool = True,
+    memory_check: str = "compiled",
 ) -> Plan:
     """Plan the sharding of ``fun(*args)`` on ``mesh``; returns a ``shardsolve.Plan``.
 
@@ -150,6 +152,17 @@ def plan(
     ``expand_scans`` and ``uneven`` are ``build.BuildOptions`` (both on by
     default; off reproduces the planner before scan bodies, resp. uneven
     splits, were planned).
+
+    ``memory_check``: with a ``memory_limit``, ``"compiled"`` (the default)
+    holds the limit as XLA compiles the plan: ``plan.jit()`` is compiled for
+    the example arguments (``ShapeDtypeStruct``s are enough; nothing runs) and
+    its ``memory_analysis()`` peak (argument + output + temp - alias) must be
+    within the limit. Where it is not, the limit the solver sees is tightened
+    by the measured ratio and the plan solved again (``plan.stats``:
+    ``memory_rounds``, ``compiled_peak_memory``); where the model's estimate is
+    above the compiled peak, a plan the model calls infeasible is looked for
+    under the limit loosened by that ratio. ``"model"`` trusts the cost
+    model's estimate. Without enough devices for the mesh the model is trusted.
     """
     say = progress or (lambda message: None)
     mesh_spec = as_mesh_spec(mesh)
@@ -158,21 +171,119 @@ def plan(
         raise ShardsolveError(f"time_limit {time_limit!r} must be a positive number of seconds")
     options = BuildOptions(expand_scans=expand_scans, uneven=uneven)
     graph, built = _traced_problem(fun, args, mesh_spec, in_shardings, out_shardings, limit, carry, options, say)
+    if memory_check not in MEMORY_CHECKS:
+        raise ShardsolveError(f"memory_check={memory_check!r} is not one of {', '.join(map(repr, MEMORY_CHECKS))}")
     say(f"solving ({len(built.problem.nodes)} nodes, {built.problem.num_strategies} strategies)")
     solution = _solve(built, time_limit, seed, tie, say if progress else None)
-    if solution.status in ("infeasible", "unknown") or not math.isfinite(solution.cost):
-        if solution.status == "unknown":
-            raise ShardsolveError(
-                "the solver found no plan within the time limit; raise --time-limit or relax the memory limit"
-            )
-        conflict = solution.conflict or encodings.explain_infeasible(built.problem)
-        reason = "; ".join(conflict) if conflict else "the annotations and the memory limit"
-        hint = f" (memory limit {format_bytes(limit)} per device)" if limit is not None else ""
-        raise InfeasibleError(
-            f"no plan satisfies {reason}{hint}; drop or change one of these constraints", conflict
-        )
+    if limit is not None and memory_check == "compiled" and _devices_present(mesh_spec):
+        return _within_compiled_memory(graph, built, solution, mesh_spec, fun, args, source, limit, time_limit, seed,
+                                       tie, say, progress)
+    _refuse_unsolved(built, solution, limit)
     say("done")
     return to_plan(graph, built, solution, mesh_spec, fun, source)
+
+
+MEMORY_CHECKS = ("compiled", "model")
+MEMORY_ROUNDS = 4  # solves at most, the first included
+
+
+def _refuse_unsolved(built: Built, solution, limit: float | None, detail: str = "") -> None:
+    """Raise the one-line error of a solve that found no plan (unknown, or infeasible with its conflict)."""
+    if solution.status not in ("infeasible", "unknown") and math.isfinite(solution.cost):
+        return
+    if solution.status == "unknown":
+        raise ShardsolveError(
+            "the solver found no plan within the time limit; raise --time-limit or relax the memory limit"
+        )
+    conflict = solution.conflict or encodings.explain_infeasible(built.problem)
+    reason = "; ".join(conflict) if conflict else "the annotations and the memory limit"
+    hint = f" (memory limit {format_bytes(limit)} per device{detail})" if limit is not None else ""
+    raise InfeasibleError(f"no plan satisfies {reason}{hint}; drop or change one of these constraints", conflict)
+
+
+def _devices_present(mesh: MeshSpec) -> bool:
+    return len(jax.devices()) >= mesh.size
+
+
+def _compiled_peak(plan: Plan, args: tuple) -> int:
+    """``memory_analysis()`` peak per device of the compiled ``plan.jit()`` (argument + output + temp - alias)."""
+    abstract = [jax.tree.map(abstractify, a) for a in args]
+    ma = plan.jit().lower(*abstract).compile().memory_analysis()
+    return int(ma.argument_size_in_bytes + ma.output_size_in_bytes + ma.temp_size_in_bytes - ma.alias_size_in_bytes)
+
+
+def _within_compiled_memory(graph: Graph, built: Built, solution, mesh: MeshSpec, fun: Callable, args: tuple,
+                            source: str, limit: float, time_limit: float | None, seed: int, tie: bool,
+                            say: Callable[[str], None], progress) -> Plan:
+    """The fastest plan found whose compiled program's peak memory is within ``limit`` (``plan``'s ``memory_check``).
+
+    The model's peak and the compiled one differ by what the model does not
+    see (reshard temporaries, XLA's own buffers), and not in proportion, so the
+    limit the solver sees is searched: first ``limit`` itself, then the
+    compiled overshoot taken off, then halving the interval between the
+    largest limit known to be too loose and the smallest known to fit (or to be
+    infeasible in the model), for at most ``MEMORY_ROUNDS`` solves. Where the
+    solver finds no plan under ``limit`` at all, the model's overestimate on
+    the plan without the limit (planned minus compiled peak) is tried first.
+    """
+    best: tuple[Plan, int] | None = None
+    lo, hi, internal, rounds, compiled = 0.0, math.inf, limit, 0, None
+    if not math.isfinite(solution.cost) and solution.status == "infeasible":
+        free = _solve(_limited(built, None), time_limit, seed, tie, None)
+        excess = 0.0
+        if math.isfinite(free.cost):
+            probe = to_plan(graph, built, free, mesh, fun, source)
+            excess = probe.cost.peak_memory - _compiled_peak(probe, args)
+        if excess <= 0:
+            _refuse_unsolved(built, solution, limit)
+        lo, internal = limit, limit + excess
+        say(f"the model counts {format_bytes(excess)} more than the compiled program: solving under "
+            f"{format_bytes(internal)}")
+        solution = _solve(_limited(built, internal), time_limit, seed, tie, say if progress else None)
+    while True:
+        rounds += 1
+        solved = solution.status not in ("infeasible", "unknown") and math.isfinite(solution.cost)
+        if not solved:
+            lo = max(lo, internal)
+        else:
+            plan = to_plan(graph, _limited(built, internal), solution, mesh, fun, source)
+            compiled = _compiled_peak(plan, args)
+            if compiled <= limit:
+                if best is None or plan.cost.total < best[0].cost.total:
+                    best = (plan, compiled)
+                lo = max(lo, internal)
+            else:
+                hi = min(hi, internal, plan.cost.peak_memory)
+        if rounds >= MEMORY_ROUNDS or (best is not None and hi <= lo * 1.05):
+            break
+        if math.isinf(hi):  # fits at the limit itself: nothing looser to try
+            break
+        internal = hi - (compiled - limit) if best is None and rounds == 1 and solved else (lo + hi) / 2
+        if internal <= lo:
+            internal = (lo + hi) / 2
+        say(f"compiled peak memory {format_bytes(compiled or 0)} is over the limit: solving again under "
+            f"{format_bytes(internal)} as the model counts it")
+        solution = _solve(_limited(built, internal), time_limit, seed, tie, say if progress else None)
+    if best is None:
+        if compiled is None:
+            _refuse_unsolved(_limited(built, internal), solution, limit, f", {format_bytes(internal)} as the model "
+                             "counts it")
+        raise InfeasibleError(
+            f"no plan found whose compiled program fits the memory limit {format_bytes(limit)} per device (the "
+            f"last compiled to {format_bytes(compiled)} after {rounds} solves); raise the memory limit",
+            (MEMORY_LIMIT_LABEL,),
+        )
+    say("done")
+    plan, compiled = best
+    stats = dict(plan.stats) | {"memory_rounds": rounds, "compiled_peak_memory": compiled}
+    return dataclasses.replace(plan, stats=tuple(sorted(stats.items())))
+
+
+def _limited(built: Built, limit: float | None) -> Built:
+    """``built`` with the problem's memory limit set to ``limit``."""
+    if built.problem.usage_limit == limit:
+        return built
+    return dataclasses.replace(built, problem=dataclasses.replace(built.problem, usage_limit=limit))
 
 
 def _traced_problem(fun: Callable, args: tuple, mesh: MeshSpec, in_shardings: Any, out_shardings: Any,

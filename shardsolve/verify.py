@@ -1,26 +1,31 @@
-"""Check a plan end to end: numerics, and the collectives it predicts against those compiled.
+"""Check a plan end to end: numerics, and the collectives it predicts against those that run.
 
-``verify(plan, *args)`` runs three programs and compares them:
+``verify(plan, *args)`` checks the program ``plan.jit()`` runs (the rewriter's
+``shard_map`` program, ``shardsolve.lower``):
 
-1. numerics: ``shardsolve.lower(plan)`` (the rewriter's shard_map program) and
-   ``plan.jit()`` (JAX's partitioner with every intermediate pinned) against
-   the unsharded function ``fun(*args)``, per output leaf (max abs and relative
-   error; relative to the leaf's largest magnitude);
+1. numerics: its outputs against the unsharded function ``fun(*args)``, per
+   output leaf (max abs and relative error; relative to the leaf's largest
+   magnitude);
 2. three collective inventories, bytes per (kind, mesh axes), never counts:
-   *predicted* (``plan.collectives``), *lowered* (the optimized HLO of
-   ``lower(plan)``) and *JAX* (the optimized HLO of ``plan.jit()``);
+   *predicted* (``plan.collectives``, the schedule priced), *lowered* (what the
+   rewriter wrote: the collectives in the traced program, before XLA) and
+   *JAX* (the optimized HLO of the compiled ``plan.jit()``, what runs);
 3. every difference, with the value and the operation it belongs to: lowered
-   collectives carry ``ss{op}/ssr{value}`` name scopes, and ``plan.jit()``
-   names op ``k`` ``ss{k}``, so ``op_name`` metadata leads back to the plan.
+   collectives carry ``ss{op}/ssr{value}`` name scopes, so ``op_name`` metadata
+   leads back to the plan.
 
-``report.ok`` holds when both programs match the numerics and predicted ==
-lowered for every (kind, axes). JAX's partitioner is reported, not required to
-match: where it differs the report says where and, as far as the plan tells,
-why (a value the plan keeps partial cannot be pinned with
-``with_sharding_constraint``, so JAX reduces it where it likes).
+``report.ok`` holds when the numerics match and predicted == lowered == JAX
+for every (kind, axes). A scan body's collectives count once in all three, as
+a compiled while loop shows them.
+
+``verify(plan, *args, pinned=True)`` also compiles (and runs) the plan as
+``plan.jit(execution="pinned")``: JAX's partitioner with every non-partial
+intermediate pinned. Its inventory and differences are reported, not required
+to match: a value the plan keeps partial cannot be pinned with
+``with_sharding_constraint``, so JAX reduces it where it likes.
 
     report = shardsolve.verify(plan, params, batch)
-    report.ok, report.predicted == report.lowered
+    report.ok, report.predicted == report.lowered == report.jax
     print(report)
 
 Arguments may be ``jax.ShapeDtypeStruct``s: then nothing runs (no numerics)
@@ -38,36 +43,37 @@ import numpy as np
 
 from shardsolve.errors import ShardsolveError
 from shardsolve.hlo import HloCollective, collectives_from_hlo, inventory
-from shardsolve.lower import attribution, lower
+from shardsolve.lower import attribution, emitted_collectives, lower
 
 Inventory = dict[tuple[str, tuple[str, ...]], int]
 
 
 @dataclass(frozen=True, slots=True)
 class LeafCheck:
-    """Errors of one output leaf, lowered and plan.jit() against the unsharded function."""
+    """Errors of one output leaf against the unsharded function: ``plan.jit()`` (the lowered program), and
+    the pinned program where it was checked (``None`` otherwise)."""
 
     path: str
     shape: tuple[int, ...]
     dtype: str
     lowered_abs: float
     lowered_rel: float
-    jit_abs: float
-    jit_rel: float
     tolerance: float  # allowed max abs error for this leaf
     lowered_ok: bool
-    jit_ok: bool
+    pinned_abs: float | None = None
+    pinned_rel: float | None = None
+    pinned_ok: bool | None = None
 
     @property
     def ok(self) -> bool:
-        return self.lowered_ok and self.jit_ok
+        return self.lowered_ok and self.pinned_ok is not False
 
 
 @dataclass(frozen=True, slots=True)
 class Difference:
     """Collectives that differ between the plan and a compiled program, at one place in the program."""
 
-    against: str  # "lowered" or "jax"
+    against: str  # "lowered", "jax" or "pinned"
     where: str  # the values and operations involved, in the plan's names
     predicted: tuple[tuple[str, tuple[str, ...], int], ...]  # (kind, axes, bytes)
     found: tuple[tuple[str, tuple[str, ...], int], ...]
@@ -86,12 +92,14 @@ class VerifyReport:
     numerics: tuple[LeafCheck, ...]  # empty when the arguments were ShapeDtypeStructs
     numerics_checked: bool
     predicted: Inventory
-    lowered: Inventory
-    jax: Inventory
+    lowered: Inventory  # what the rewriter wrote (the traced program)
+    jax: Inventory  # what XLA compiled from it (plan.jit()'s optimized HLO)
     differences: tuple[Difference, ...]  # predicted vs lowered
-    jax_differences: tuple[Difference, ...]  # predicted vs JAX's partitioner
-    lowered_collectives: tuple[HloCollective, ...] = field(default=(), repr=False)
+    jax_differences: tuple[Difference, ...]  # predicted vs the compiled plan.jit()
+    lowered_collectives: tuple[Any, ...] = field(default=(), repr=False)  # lower.EmittedCollective
     jax_collectives: tuple[HloCollective, ...] = field(default=(), repr=False)
+    pinned: Inventory | None = None  # plan.jit(execution="pinned")'s optimized HLO, where checked
+    pinned_differences: tuple[Difference, ...] = ()  # predicted vs the pinned program (reported only)
 
     @property
     def numerics_ok(self) -> bool:
@@ -99,7 +107,7 @@ class VerifyReport:
 
     @property
     def collectives_ok(self) -> bool:
-        return self.predicted == self.lowered
+        return self.predicted == self.lowered == self.jax
 
     @property
     def ok(self) -> bool:
@@ -107,25 +115,27 @@ class VerifyReport:
 
     def rows(self) -> list[tuple[str, tuple[str, ...], int, int, int]]:
         """(kind, axes, predicted, lowered, jax) bytes for every key of any inventory."""
-        keys = sorted(set(self.predicted) | set(self.lowered) | set(self.jax))
+        keys = sorted(set(self.predicted) | set(self.lowered) | set(self.jax) | set(self.pinned or {}))
         return [(k, a, self.predicted.get((k, a), 0), self.lowered.get((k, a), 0), self.jax.get((k, a), 0))
                 for k, a in keys]
 
     def __str__(self) -> str:
         lines = [f"verify on mesh {self.mesh}: {'ok' if self.ok else 'MISMATCH'}"]
         if self.numerics_checked:
-            worst = max(self.numerics, key=lambda c: max(c.lowered_rel, c.jit_rel), default=None)
+            worst = max(self.numerics, key=lambda c: c.lowered_rel, default=None)
             lines.append(
                 f"  numerics: {'ok' if self.numerics_ok else 'MISMATCH'} over {len(self.numerics)} leaves"
-                + (f" (worst rel error: lowered {worst.lowered_rel:.2e}, jit {worst.jit_rel:.2e})" if worst else "")
+                + (f" (worst rel error {worst.lowered_rel:.2e})" if worst else "")
             )
         else:
             lines.append("  numerics: skipped (abstract arguments)")
-        lines.append("  bytes per kind and axes: predicted / lowered / jax")
+        pinned = self.pinned is not None
+        lines.append("  bytes per kind and axes: predicted / lowered / jax" + (" / pinned" if pinned else ""))
         for k, a, p, lo, j in self.rows():
-            mark = "" if p == lo else "   <- differs"
-            lines.append(f"    {k}{{{','.join(a)}}}: {p} / {lo} / {j}{mark}")
-        for d in self.differences + self.jax_differences:
+            mark = "" if p == lo == j else "   <- differs"
+            extra = f" / {self.pinned.get((k, a), 0)}" if pinned else ""
+            lines.append(f"    {k}{{{','.join(a)}}}: {p} / {lo} / {j}{extra}{mark}")
+        for d in self.differences + self.jax_differences + self.pinned_differences:
             lines.append(f"  {d}")
         return "\n".join(lines)
 
@@ -195,19 +205,24 @@ def _errors(got: Any, want: np.ndarray) -> tuple[float, float]:
     return max_abs, max_abs / max(scale, 1e-30) if max_abs else 0.0
 
 
-def _numerics(plan, leaves_args, lowered_out, jit_out, expected, rtol, atol) -> tuple[LeafCheck, ...]:
+def _numerics(lowered_out, pinned_out, expected, rtol, atol) -> tuple[LeafCheck, ...]:
+    """Per output leaf, the errors of ``lowered_out`` (and ``pinned_out``, unless None) against ``expected``."""
     exp_leaves, exp_paths = _leaves_with_paths(expected)
     low_leaves, _ = _leaves_with_paths(lowered_out)
-    jit_leaves, _ = _leaves_with_paths(jit_out)
+    pin_leaves = _leaves_with_paths(pinned_out)[0] if pinned_out is not None else [None] * len(exp_leaves)
+    if not len(low_leaves) == len(pin_leaves) == len(exp_leaves):
+        raise ShardsolveError(f"the planned program returned {len(low_leaves)} output leaves where the function "
+                              f"returns {len(exp_leaves)}; plan it again")
     out = []
-    for path, want, low, jt in zip(exp_paths, exp_leaves, low_leaves, jit_leaves):
+    for path, want, low, pin in zip(exp_paths, exp_leaves, low_leaves, pin_leaves):
         want = np.asarray(want)
         la, lr = _errors(low, want)
-        ja, jr = _errors(jt, want)
         finite = np.abs(want[np.isfinite(want)]).astype(np.float64) if want.size else np.zeros(0)
         scale = float(finite.max()) if finite.size else 0.0
         tol = _tolerance(want.dtype, scale, rtol, atol)
-        out.append(LeafCheck(path, tuple(want.shape), str(want.dtype), la, lr, ja, jr, tol, la <= tol, ja <= tol))
+        pa, pr = _errors(pin, want) if pin is not None else (None, None)
+        out.append(LeafCheck(path, tuple(want.shape), str(want.dtype), la, lr, tol, la <= tol,
+                             pa, pr, None if pa is None else pa <= tol))
     return tuple(out)
 
 
@@ -308,7 +323,8 @@ def _diff(against: str, plan, predicted_items, found_items, why) -> list[Differe
     return out
 
 
-def _lowered_differences(plan, lowered: Sequence[HloCollective]) -> list[Difference]:
+def _lowered_differences(plan, lowered: Sequence[Any], against: str = "lowered") -> list[Difference]:
+    """Predicted collectives against those of the rewriter's program (``against``: its trace, or compiled)."""
     predicted_items = []
     for c in plan.collectives:
         # Inside a scan body the lowered program names the scan only (see lower.attribution).
@@ -319,22 +335,25 @@ def _lowered_differences(plan, lowered: Sequence[HloCollective]) -> list[Differe
         tags = attribution(c.op_name) or [(f"unattributed: {c.name} [{c.op_name}]", None)]
         found_items.append((tags, c.kind, c.axes, c.bytes))
 
+    program = "the lowered program" if against == "lowered" else "the compiled program (XLA removed or rewrote it)"
+
     def why(tags, p, f):
         if not f:
-            return "predicted, but not in the compiled program (XLA removed or rewrote it)"
+            return f"predicted, but not in {program}"
         if not p:
-            return "in the compiled program, but not predicted"
+            return f"in {program.split(' (')[0]}, but not predicted"
         if sum(p.values()) == sum(f.values()):
-            return "same bytes, different kinds or axes: XLA rewrote the collective"
+            return "same bytes, different kinds or axes" + (": XLA rewrote the collective" if against != "lowered" else "")
         return "different bytes"
 
-    return _diff("lowered", plan, predicted_items, found_items, why)
+    return _diff(against, plan, predicted_items, found_items, why)
 
 
 _SS = re.compile(r"(?:^|[/(:])ss(\d+)(?=/|$|[):])")
 
 
-def _jax_differences(plan, found: Sequence[HloCollective]) -> list[Difference]:
+def _pinned_differences(plan, found: Sequence[HloCollective]) -> list[Difference]:
+    """Predicted collectives against JAX's partitioner running the pinned program (named ``ss{op}``)."""
     graph = plan.graph
     predicted_items = []
     for c in plan.collectives:
@@ -369,39 +388,41 @@ def _jax_differences(plan, found: Sequence[HloCollective]) -> list[Difference]:
             reasons.append("the collective's op_name names no planned operation")
         return "; ".join(reasons)
 
-    return _diff("jax", plan, predicted_items, found_items, why)
+    return _diff("pinned", plan, predicted_items, found_items, why)
 
 
 # -- verify ------------------------------------------------------------------------------
 
 
-def verify(plan, *args: Any, rtol: float | None = None, atol: float | None = None) -> VerifyReport:
+def verify(plan, *args: Any, rtol: float | None = None, atol: float | None = None,
+           pinned: bool = False) -> VerifyReport:
     """Numerics and collective inventories of ``plan`` for ``args`` (see the module docstring)."""
     plan.require_bound()
     leaves = check_arguments(plan, args)
     abstract = any(_is_abstract(x) for x in leaves)
-    lowered_fn = lower(plan)
-    jitted = plan.jit()
-
-    lowered_text = lowered_fn.lower(*args).compile().as_text()
-    jax_text = jitted.lower(*args).compile().as_text()
-    lowered_colls = collectives_from_hlo(lowered_text, plan.mesh)
-    jax_colls = collectives_from_hlo(jax_text, plan.mesh)
+    run = lower(plan)  # what plan.jit() runs
+    emitted = emitted_collectives(run, *args)
+    compiled = collectives_from_hlo(run.lower(*args).compile().as_text(), plan.mesh)
+    pinned_fn = plan.jit(execution="pinned") if pinned else None
+    pinned_colls = (collectives_from_hlo(pinned_fn.lower(*args).compile().as_text(), plan.mesh)
+                    if pinned_fn is not None else None)
 
     numerics: tuple[LeafCheck, ...] = ()
     if not abstract:
         expected = plan.fun(*args)
-        numerics = _numerics(plan, leaves, lowered_fn(*args), jitted(*args), expected, rtol, atol)
+        numerics = _numerics(run(*args), pinned_fn(*args) if pinned_fn is not None else None, expected, rtol, atol)
 
     return VerifyReport(
         mesh=str(plan.mesh),
         numerics=numerics,
         numerics_checked=not abstract,
         predicted=inventory(plan.collectives, plan.mesh),
-        lowered=inventory(lowered_colls, plan.mesh),
-        jax=inventory(jax_colls, plan.mesh),
-        differences=tuple(_lowered_differences(plan, lowered_colls)),
-        jax_differences=tuple(_jax_differences(plan, jax_colls)),
-        lowered_collectives=tuple(lowered_colls),
-        jax_collectives=tuple(jax_colls),
+        lowered=inventory(emitted, plan.mesh),
+        jax=inventory(compiled, plan.mesh),
+        differences=tuple(_lowered_differences(plan, emitted)),
+        jax_differences=tuple(_lowered_differences(plan, compiled, "jax")),
+        lowered_collectives=tuple(emitted),
+        jax_collectives=tuple(compiled),
+        pinned=inventory(pinned_colls, plan.mesh) if pinned_colls is not None else None,
+        pinned_differences=tuple(_pinned_differences(plan, pinned_colls)) if pinned_colls is not None else (),
     )

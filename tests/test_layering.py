@@ -35,8 +35,8 @@ STAGES: tuple[tuple[str, ...], ...] = (
     ("annotations", "build"),
     ("reductions", "encodings", "tying", "iopddl"),  # the solver layer
     ("schedule",),
+    ("lower",),  # the rewriter executes a schedule; ``plan.jit()`` runs its program
     ("export", "plan", "planner"),  # plan / export (``Plan`` methods hand off to export)
-    ("lower",),
     ("verify", "compare", "explain"),
     ("cli",),
 )

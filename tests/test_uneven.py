@@ -363,12 +363,13 @@ def _heavy(x):
 
 
 def test_solver_picks_uneven_split_where_it_pays():
-    """1002 rows and columns on data=2,model=4: 1002 = 2 x 501, so model (4) splits nothing evenly.
+    """3002 rows and columns on data=2,model=4: 3002 = 2 x 1501, so model (4) splits nothing evenly.
 
     The best even plan works on halves; the uneven plan splits the columns over
-    model too (shards of 251) and is cheaper, collectives included.
+    model too (shards of 751) and is cheaper, collectives included: the fused
+    tanh-scale-sum loop reads a quarter of the bytes for an all-reduce of 1501 sums.
     """
-    x = _rand((1002, 1002))
+    x = _rand((3002, 3002))
     plan = shardsolve.plan(_heavy, x, mesh=MESH)
     even = shardsolve.plan(_heavy, x, mesh=MESH, uneven=False)
     assert even.status == plan.status == "optimal"

@@ -78,6 +78,7 @@ def run(args: argparse.Namespace) -> int:
             progress=lambda message: status.update(message),
             columns=columns,
             source=str(source_of(args)),
+            carry=model.carry,
         )
     title = f"{model.name or args.model} on {mesh} ({args.annotations} annotations)"
     print_comparison(cmp, out, title=title)

@@ -328,16 +328,21 @@ class Rule:
         assignment = tuple((f, tuple(on[f])) for f in self.factors if f in on)
         return Strategy(assignment, tuple(operands), tuple(results), math.prod(split.values()), tuple(partial_via))
 
-    def strategy_time(self, strategy: Strategy, mesh: MeshSpec, itemsizes: Sequence[int]) -> float:
+    def strategy_time(self, strategy: Strategy, mesh: MeshSpec, itemsizes: Sequence[int],
+                      traffic: Sequence[bool] | None = None) -> float:
         """Compute time of one device's share under ``strategy``.
 
-        ``itemsizes`` gives bytes per element of the operands then the results.
+        ``itemsizes`` gives bytes per element of the operands then the results;
+        ``traffic`` (same order, default all) which of them move through memory
+        (an operand or result fused with its neighbour does not).
         """
         nbytes = 0
         shapes = [self.operand_shape(k) for k in range(len(self.operands))]
         shapes += [self.result_shape(k) for k in range(len(self.results))]
-        for shape, sharding, itemsize in zip(shapes, strategy.operands + strategy.results, itemsizes):
-            nbytes += sharding.local_bytes(shape, itemsize, mesh)
+        moved = traffic if traffic is not None else (True,) * len(shapes)
+        for shape, sharding, itemsize, m in zip(shapes, strategy.operands + strategy.results, itemsizes, moved):
+            if m:
+                nbytes += sharding.local_bytes(shape, itemsize, mesh)
         # An uneven split's shards are padded: each of a factor's n devices works on ceil(size / n) of it.
         padded = exact = 1
         for f, axes in strategy.assignment:
