@@ -107,6 +107,7 @@ def to_plan(graph: Graph, built: Built, solution, mesh: MeshSpec, fun: Callable 
         fallbacks=tuple(sorted(fallbacks.items())),
         stats=tuple(sorted((k, v) for k, v in stats.items() if isinstance(v, (int, float, str, bool)))),
         source=source,
+        input_names=tuple(graph.values[v].name for v in graph.inputs),
         fun=fun,
         graph=graph,
     )

@@ -65,7 +65,6 @@ def run(args: argparse.Namespace) -> int:
 
 def print_plan(plan: Plan, console: Console, top: int = 10) -> None:
     """A summary table, the arguments' and outputs' shardings, and the largest predicted collectives."""
-    graph = plan.graph
     summary = Table(title="plan", show_header=False, box=None)
     summary.add_column(style="bold")
     summary.add_column()
@@ -89,7 +88,7 @@ def print_plan(plan: Plan, console: Console, top: int = 10) -> None:
     table = Table(title="arguments and outputs")
     for col in ("value", "shape", "sharding"):
         table.add_column(col)
-    names = [graph.values[v].name for v in graph.inputs] if graph else [f"args[{k}]" for k in range(len(plan.inputs))]
+    names = plan.input_names or [f"args[{k}]" for k in range(len(plan.inputs))]
     for name, (shape, dtype), s in zip(names, plan.signature.in_avals, plan.inputs):
         table.add_row(name, f"{dtype}{list(shape)}", str(s.to_spec()))
     for k, ((shape, dtype), s) in enumerate(zip(plan.signature.out_avals, plan.outputs)):
