@@ -12,6 +12,7 @@ layer tying from ``tying`` where the program repeats itself), then
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import math
 import time
@@ -22,9 +23,11 @@ import numpy as np
 
 import shardsolve.encodings as encodings
 from shardsolve.annotations import argument_pins, carry_pairs, output_pins
-from shardsolve.build import BuildOptions, Built, build_problem
+from shardsolve.build import BuildOptions, Built, build_problem, tie_axes
 from shardsolve.errors import InfeasibleError, ShardsolveError
+from shardsolve.flax import logical_names
 from shardsolve.graph import Graph, Lit
+from shardsolve.logical import LogicalAxes
 from shardsolve.mesh import MeshSpec, as_mesh_spec
 from shardsolve.plan import Cost, OpPlan, Plan, Signature, predicted_collectives
 from shardsolve.schedule import build_schedule
@@ -128,6 +131,7 @@ def plan(
     tie: bool = True,
     expand_scans: bool = True,
     uneven: bool = True,
+    logical_rules: bool = False,
 ) -> Plan:
     """Plan the sharding of ``fun(*args)`` on ``mesh``; returns a ``shardsolve.Plan``.
 
@@ -148,6 +152,14 @@ def plan(
     ``"exact"`` or ``"restricted"``). Programs without repetition are solved
     as they are. ``tie=False`` always searches untied.
 
+    ``logical_rules``: the arguments' logical axis names (Flax metadata,
+    ``shardsolve.flax.logical_names``) are tied: every dimension with one name
+    takes one mesh-axis choice, unnamed dimensions of named leaves stay whole
+    (``shardsolve.logical``). ``plan.logical_axis_rules`` then lists the
+    choices as Flax/MaxText rules, and ``plan.stats`` hold the cost of the
+    plan without the ties beside it (``logical_free_cost``, ``logical_cost``,
+    ``logical_overhead``: seconds, seconds, tied / free - 1).
+
     ``expand_scans`` and ``uneven`` are ``build.BuildOptions`` (both on by
     default; off reproduces the planner before scan bodies, resp. uneven
     splits, were planned).
@@ -159,8 +171,42 @@ def plan(
         raise ShardsolveError(f"time_limit {time_limit!r} must be a positive number of seconds")
     options = BuildOptions(expand_scans=expand_scans, uneven=uneven)
     graph, built = _traced_problem(fun, args, mesh_spec, in_shardings, out_shardings, limit, carry, options, say)
+    free = None
+    if logical_rules:
+        axes = _logical_axes(args, graph, in_shardings, mesh_spec)
+        say(f"solving without logical-axis ties ({len(built.problem.nodes)} nodes)")
+        free = _solve(built, time_limit, seed, tie, say if progress else None)
+        built = tie_axes(built, graph, axes.ties(), axes.whole())
     say(f"solving ({len(built.problem.nodes)} nodes, {built.problem.num_strategies} strategies)")
     solution = _solve(built, time_limit, seed, tie, say if progress else None)
+    _require_solved(solution, built, limit)
+    say("done")
+    result = to_plan(graph, built, solution, mesh_spec, fun, source)
+    if free is None:
+        return result
+    stats = dict(result.stats)
+    stats["logical_cost"] = result.cost.total
+    if math.isfinite(free.cost) and free.status not in ("infeasible", "unknown"):
+        free_cost = to_plan(graph, built, free, mesh_spec, fun, source).cost
+        stats.update(logical_free_cost=free_cost.total, logical_free_peak_memory=free_cost.peak_memory,
+                     logical_overhead=result.cost.total / free_cost.total - 1 if free_cost.total > 0 else 0.0)
+    return dataclasses.replace(result, logical_axis_rules=axes.rules(result.inputs), stats=tuple(sorted(stats.items())))
+
+
+def _logical_axes(args: tuple, graph: Graph, in_shardings: Any, mesh: MeshSpec) -> LogicalAxes:
+    """The arguments' logical axis names, checked (``logical.LogicalAxes.check``)."""
+    names = logical_names(args)
+    values = [graph.values[v] for v in graph.inputs]
+    if len(names) != len(values):
+        raise ShardsolveError(f"found logical names for {len(names)} argument leaves, but the program has "
+                              f"{len(values)}; pass the arguments as plain pytrees of arrays and Flax variables")
+    axes = LogicalAxes(tuple(names), tuple(v.name for v in values), tuple(v.shape for v in values))
+    axes.check(mesh, [s is not None for s, _ in argument_pins(graph.traced, in_shardings, mesh)])
+    return axes
+
+
+def _require_solved(solution, built: Built, limit: float | None) -> None:
+    """Refuse a solution that is no plan: the solver ran out of time, or no plan meets the constraints."""
     if solution.status in ("infeasible", "unknown") or not math.isfinite(solution.cost):
         if solution.status == "unknown":
             raise ShardsolveError(
@@ -172,8 +218,6 @@ def plan(
         raise InfeasibleError(
             f"no plan satisfies {reason}{hint}; drop or change one of these constraints", conflict
         )
-    say("done")
-    return to_plan(graph, built, solution, mesh_spec, fun, source)
 
 
 def _traced_problem(fun: Callable, args: tuple, mesh: MeshSpec, in_shardings: Any, out_shardings: Any,
