@@ -236,3 +236,33 @@ def test_without_flax_the_core_plans_and_flax_features_name_the_extra(monkeypatc
         with pytest.raises(shardsolve.ShardsolveError, match=r"needs Flax.*pip install -e '\.\[flax\]'") as e:
             call()
         assert "\n" not in str(e.value)
+
+
+# -- the Flax LM in models/ ----------------------------------------------------------------------
+
+
+def test_flax_lm_small_plans_with_rules_and_runs_exactly(models_dir: Path) -> None:
+    model = shardsolve.load_model(str(models_dir / "flax_lm.py"), "small")
+    plan = shardsolve.plan(model.fun, *model.args, mesh=MESH, in_shardings=model.in_shardings, carry=model.carry,
+                           logical_rules=True)
+    names = dict(plan.logical_axis_rules)
+    assert set(names) == {"vocab", "embed", "position", "heads", "mlp", "norm"}
+    mesh = plan.mesh.jax_mesh()
+    assert _specs_equal(ssflax.logical_shardings(model.args[0], mesh, plan.logical_axis_rules), plan.in_shardings[0],
+                        _shapes(model.args[0]))
+    want = jax.jit(model.fun)(*model.args)
+    got = plan.jit()(*model.args)
+    for a, b in zip(jax.tree_util.tree_leaves(want), jax.tree_util.tree_leaves(got)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
+
+
+def test_flax_lm_maxtext_annotation_and_large_shapes(models_dir: Path) -> None:
+    small = shardsolve.load_model(str(models_dir / "flax_lm.py"), "small")
+    params_specs = small.expert_in_shardings[0]
+    assert params_specs["embed"]["embedding"].get_value() == P("model", None)  # vocab on the tensor axis, embed unsplit
+    assert params_specs["blocks"][0]["fc"]["kernel"].get_value() == P(None, "model")
+    large = shardsolve.load_model(str(models_dir / "flax_lm.py"), "large")
+    leaves = jax.tree_util.tree_leaves(large.args)
+    assert all(isinstance(x, jax.ShapeDtypeStruct) for x in leaves)
+    n_params = sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(large.args[0]))
+    assert 120e6 < n_params < 170e6
