@@ -266,3 +266,15 @@ def test_flax_lm_maxtext_annotation_and_large_shapes(models_dir: Path) -> None:
     assert all(isinstance(x, jax.ShapeDtypeStruct) for x in leaves)
     n_params = sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(large.args[0]))
     assert 120e6 < n_params < 170e6
+
+
+def test_cli_plans_the_flax_lm_with_rules_and_explains_by_parameter_path(capsys, tmp_path: Path,
+                                                                         models_dir: Path) -> None:
+    from shardsolve.cli import main
+
+    out = tmp_path / "plan.json"
+    assert main(["plan", str(models_dir / "flax_lm.py"), "--mesh", MESH, "--logical-rules", "-o", str(out)]) == 0
+    stdout = capsys.readouterr().out
+    assert "logical-axis rules" in stdout and "embed ->" in stdout and "vs the free plan" in stdout
+    assert main(["explain", str(out), "--show", "fc"]) == 0
+    assert "args[0]['blocks'][0]['fc']['kernel']" in capsys.readouterr().out
