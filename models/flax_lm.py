@@ -42,9 +42,9 @@ with Flax's own ``logical_to_mesh``: vocab, heads and mlp on ``"model"``,
 embed on ``"fsdp"`` where the mesh has it, norm scales on ``"model"``.
 
 Sizes: ``small`` (2 layers, d 64, 4 heads, seq 16, vocab 256, batch 8; real
-arrays) runs numerically on 8 CPU devices; ``large`` is GPT-2 small (12
-layers, d 768, 12 heads, seq 1024, vocab 50304, batch 16; 124M parameters,
-untied head), ``jax.ShapeDtypeStruct``s from ``nnx.eval_shape``.
+arrays) runs numerically on 8 CPU devices; ``large`` has GPT-2 small's shape (12
+layers, d 768, 12 heads, seq 1024, vocab 50304, batch 16; 163M parameters with
+its untied head), ``jax.ShapeDtypeStruct``s from ``nnx.eval_shape``.
 """
 
 from __future__ import annotations
