@@ -278,3 +278,9 @@ def test_cli_plans_the_flax_lm_with_rules_and_explains_by_parameter_path(capsys,
     assert "logical-axis rules" in stdout and "embed ->" in stdout and "vs the free plan" in stdout
     assert main(["explain", str(out), "--show", "fc"]) == 0
     assert "args[0]['blocks'][0]['fc']['kernel']" in capsys.readouterr().out
+
+
+def test_an_old_flax_is_refused_naming_the_version(monkeypatch) -> None:
+    monkeypatch.setattr(flax, "__version__", "0.10.7")
+    with pytest.raises(shardsolve.ShardsolveError, match=r"needs flax>=0\.12, found 0\.10\.7"):
+        ssflax.require_flax("logical_rules=True")
