@@ -18,7 +18,8 @@ Both constraints are on argument nodes of the problem, in the way carry pairs
 tie an argument to its next value (``build.tie_axes``): each further
 occurrence of a name is tied to its first occurrence (a star, so the choice is
 shared transitively) by an edge forbidding the strategy pairs that split the
-two dimensions differently, and a pin keeps unnamed dimensions whole.
+two dimensions differently, and a pin keeps unnamed dimensions whole. Leaves
+alike in names and shape are first tied whole to one another (``ties``).
 
     >>> from shardsolve.mesh import MeshSpec
     >>> from shardsolve.sharding import Sharding
@@ -142,9 +143,25 @@ class LogicalAxes:
     # -- constraints ----------------------------------------------------------
 
     def ties(self) -> list[AxisTie]:
-        """Each occurrence of a name after the first, tied to the first (the star of the module docstring)."""
+        """The ties of the module docstring, in two kinds.
+
+        Leaves with the same names and shape (one projection in every layer,
+        its Adam moments) take one sharding: each is tied, dimension by
+        dimension, to the first of them (an equality edge, which the solver's
+        reductions fold away). Then each further occurrence of a name among
+        those first leaves is tied to its first occurrence (a star).
+        """
+        groups: dict[tuple, list[int]] = {}
+        for k in self.named:
+            groups.setdefault((self.names[k], self.shapes[k]), []).append(k)
         out = []
+        for (names, _), members in groups.items():
+            first = members[0]
+            out += [AxisTie(first, d, k, d, f"logical axes {names} of {self.paths[k]} and {self.paths[first]}")
+                    for k in members[1:] for d in range(len(names))]
+        firsts = {members[0] for members in groups.values()}
         for name, places in self.occurrences().items():
+            places = [(k, d) for k, d in places if k in firsts]
             (ka, da), rest = places[0], places[1:]
             out += [AxisTie(ka, da, kb, db, f"logical axis {name!r} of {self.paths[kb]} and {self.paths[ka]}")
                     for kb, db in rest]
