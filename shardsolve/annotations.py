@@ -32,6 +32,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from shardsolve.errors import ShardsolveError
 from shardsolve.mesh import MeshSpec
 from shardsolve.sharding import Sharding
+from shardsolve.trace import leaf_names
 
 Pins = list[tuple[Sharding | None, str]]  # per flattened leaf: the pinned sharding (None: free) and its label
 
@@ -92,9 +93,8 @@ def to_sharding(ann: Any, shape: tuple[int, ...], mesh: MeshSpec, what: str) -> 
 
 
 def leaf_paths(tree_def: Any) -> list[str]:
-    """``jax.tree_util.keystr`` of every leaf of ``tree_def``, e.g. ``["[0]['w']", "[1]"]``."""
-    numbered = jax.tree_util.tree_unflatten(tree_def, list(range(tree_def.num_leaves)))
-    return [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(numbered)[0]]
+    """The key path of every leaf of ``tree_def``, e.g. ``["[0]['w']", "[1]"]`` (``trace.leaf_names``)."""
+    return leaf_names(tree_def)
 
 
 def _pins(annotations: Any, tree_def: Any, avals: Sequence[Any], mesh: MeshSpec, what: str) -> Pins:

@@ -38,6 +38,10 @@ method                 adds
 ``add_ties``           carry pairs: an argument and its next value share a sharding
 =====================  ===========================================================
 
+``tie_axes`` adds, to a built problem, ties between dimensions of arguments
+(one logical axis name, one mesh-axis choice: ``shardsolve.logical``) the same
+way: an edge forbidding the strategy pairs that break the tie.
+
     built = build_problem(graph, mesh, in_pins, out_pins, memory_limit=None, ties=())
     built.problem        # the Problem the solver reads
     built.nodes[k]       # what node k decides (NodeInfo)
@@ -45,6 +49,7 @@ method                 adds
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -75,6 +80,17 @@ class BuildOptions:
 
     expand_scans: bool = True
     uneven: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class AxisTie:
+    """Dimension ``dim_a`` of argument leaf ``a`` and dimension ``dim_b`` of argument leaf ``b`` take the same mesh axes."""
+
+    a: int
+    dim_a: int
+    b: int
+    dim_b: int
+    label: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -409,8 +425,7 @@ class ProblemBuilder:
             if out_leaf not in self.output_node:
                 continue
             u, v = self.value_node[self.graph.inputs[arg_leaf]], self.output_node[out_leaf]
-            same = np.array([[0.0 if a == b else FORBIDDEN for b in self.infos[v].shardings]
-                             for a in self.infos[u].shardings])
+            same = tie_table(self.infos[u].shardings, self.infos[v].shardings, lambda a, b: a == b)
             self.edges[(u, v)] = self.edges[(u, v)] + same if (u, v) in self.edges else same
 
     # -- operations --------------------------------------------------------------------
@@ -581,6 +596,49 @@ class ProblemBuilder:
             if r >= n_carry:
                 shardings = [ScanBoundary.stacked(c) for c in shardings]
             self.produce((scope, v), to, shardings)
+
+
+def tie_table(us: Sequence[Sharding], vs: Sequence[Sharding], same) -> np.ndarray:
+    """An equality edge: 0 where ``same(u's sharding, v's sharding)``, forbidden elsewhere."""
+    return np.array([[0.0 if same(a, b) else FORBIDDEN for b in vs] for a in us], dtype=np.float64)
+
+
+def tie_axes(built: Built, graph: Graph, ties: Sequence[AxisTie],
+             whole: Sequence[tuple[int, tuple[int, ...], str]] = ()) -> Built:
+    """``built`` with argument dimensions tied, as ``add_ties`` ties carry pairs.
+
+    Each ``AxisTie`` forbids the strategy pairs of its two argument nodes that
+    split the tied dimensions over different mesh axes (ties between one pair
+    of nodes share one edge); each ``(leaf, dims, label)`` of ``whole`` pins
+    that argument to the candidates that leave ``dims`` unsplit.
+    """
+    nodes = built.nodes
+    node_of = [built.value_node[v] for v in graph.inputs]
+    by_pair: dict[tuple[int, int], list[AxisTie]] = {}
+    for t in ties:
+        u, v = node_of[t.a], node_of[t.b]
+        if u != v:
+            by_pair.setdefault((u, v) if u < v else (v, u), []).append(t if u < v else
+                                                                      AxisTie(t.b, t.dim_b, t.a, t.dim_a, t.label))
+    edges = {(e.u, e.v): e.costs for e in built.problem.edges}
+    for (u, v), group in by_pair.items():
+        dims = [(t.dim_a, t.dim_b) for t in group]
+        table = tie_table(nodes[u].shardings, nodes[v].shardings,
+                          lambda a, b: all(a.dims[i] == b.dims[j] for i, j in dims))
+        if (u, v) in edges:
+            edges[(u, v)] = np.minimum(edges[(u, v)] + table, FORBIDDEN)
+        elif (v, u) in edges:
+            edges[(v, u)] = np.minimum(edges[(v, u)] + table.T, FORBIDDEN)
+        else:
+            edges[(u, v)] = table
+    pins = list(built.problem.pins)
+    for leaf, dims, label in whole:
+        idx = node_of[leaf]
+        allowed = tuple(k for k, s in enumerate(nodes[idx].shardings) if all(not s.dims[d] for d in dims))
+        pins.append(Pin(idx, allowed, label))
+    p = built.problem
+    problem = Problem(p.nodes, tuple(Edge(u, v, c) for (u, v), c in edges.items()), p.usage_limit, tuple(pins), p.name)
+    return dataclasses.replace(built, problem=problem)
 
 
 def build_problem(

@@ -19,12 +19,11 @@ import functools
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-import jax
 import numpy as np
 from jax.extend import core as jcore
 
 from shardsolve.sharding import Sharding
-from shardsolve.trace import Traced, inline_closed
+from shardsolve.trace import Traced, inline_closed, leaf_names
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,10 +127,7 @@ class Graph:
 
     @classmethod
     def from_traced(cls, traced: Traced) -> Graph:
-        paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(
-            jax.tree_util.tree_unflatten(traced.in_tree, list(range(traced.in_tree.num_leaves)))
-        )[0]]
-        return cls.from_jaxpr(traced.jaxpr, [f"args{p}" for p in paths], traced)
+        return cls.from_jaxpr(traced.jaxpr, leaf_names(traced.in_tree, "args"), traced)
 
     @classmethod
     def from_jaxpr(cls, closed: Any, input_names: list[str], traced: Traced | None = None) -> Graph:

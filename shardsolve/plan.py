@@ -235,6 +235,10 @@ class Plan:
     stats: tuple[tuple[str, Any], ...] = ()
     source: str = ""  # e.g. "models/gpt2.py:gpt2 --size small", for the CLI
     consts: tuple[Sharding, ...] = ()  # per closed-over constant of the traced program (lower lays them out)
+    input_names: tuple[str, ...] = ()  # per flattened argument: its key path, ``args[0]['w']`` (``trace.leaf_names``)
+    # ``shardsolve.plan(..., logical_rules=True)``: (logical axis name, mesh axis | tuple of them | None) pairs,
+    # in the form Flax's ``logical_to_mesh_sharding`` and MaxText take; they give every named parameter its sharding.
+    logical_axis_rules: tuple[tuple[str, Any], ...] = ()
     # Not serialised: the live program.
     fun: Callable | None = field(default=None, compare=False, repr=False)
     graph: Any = field(default=None, compare=False, repr=False)
@@ -332,6 +336,9 @@ class Plan:
             "collectives": [c.to_json() for c in self.collectives],
             "fallbacks": dict(self.fallbacks),
             **({"consts": [s.to_json() for s in self.consts]} if self.consts else {}),
+            **({"input_names": list(self.input_names)} if self.input_names else {}),
+            **({"logical_axis_rules": [[n, list(a) if isinstance(a, tuple) else a] for n, a in self.logical_axis_rules]}
+               if self.logical_axis_rules else {}),
             "stats": {k: v for k, v in self.stats if not _is_timing(k)},
         }
 
@@ -366,6 +373,9 @@ class Plan:
                 solve_time=float(d.get("solve_time", 0.0)),
                 fallbacks=tuple(sorted(d.get("fallbacks", {}).items())),
                 consts=tuple(Sharding.from_json(s) for s in d.get("consts", ())),
+                input_names=tuple(str(n) for n in d.get("input_names", ())),
+                logical_axis_rules=tuple((str(n), tuple(a) if isinstance(a, list) else a)
+                                         for n, a in d.get("logical_axis_rules", ())),
                 stats=tuple(sorted(d.get("stats", {}).items())),
                 source=d.get("source", ""),
             )

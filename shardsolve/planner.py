@@ -24,12 +24,14 @@ import numpy as np
 
 import shardsolve.encodings as encodings
 from shardsolve.annotations import argument_pins, carry_pairs, output_pins
-from shardsolve.build import BuildOptions, Built, build_problem
+from shardsolve.build import BuildOptions, Built, build_problem, tie_axes
 from shardsolve.errors import InfeasibleError, ShardsolveError
+from shardsolve.flax import logical_names
 from shardsolve.graph import Graph, Lit
-from shardsolve.problem import MEMORY_LIMIT_LABEL
+from shardsolve.logical import LogicalAxes
 from shardsolve.mesh import MeshSpec, as_mesh_spec
 from shardsolve.plan import Cost, OpPlan, Plan, Signature, predicted_collectives
+from shardsolve.problem import MEMORY_LIMIT_LABEL
 from shardsolve.schedule import build_schedule
 from shardsolve.sharding import Sharding
 from shardsolve.trace import abstractify, trace
@@ -108,6 +110,7 @@ def to_plan(graph: Graph, built: Built, solution, mesh: MeshSpec, fun: Callable 
         fallbacks=tuple(sorted(fallbacks.items())),
         stats=tuple(sorted((k, v) for k, v in stats.items() if isinstance(v, (int, float, str, bool)))),
         source=source,
+        input_names=tuple(graph.values[v].name for v in graph.inputs),
         fun=fun,
         graph=graph,
     )
@@ -129,6 +132,7 @@ def plan(
     expand_scans: bool = True,
     uneven: bool = True,
     memory_check: str = "compiled",
+    logical_rules: bool = False,
 ) -> Plan:
     """Plan the sharding of ``fun(*args)`` on ``mesh``; returns a ``shardsolve.Plan``.
 
@@ -148,6 +152,14 @@ def plan(
     ``"feasible"`` with that gap, and ``plan.stats`` say which (``tying``:
     ``"exact"`` or ``"restricted"``). Programs without repetition are solved
     as they are. ``tie=False`` always searches untied.
+
+    ``logical_rules``: the arguments' logical axis names (Flax metadata,
+    ``shardsolve.flax.logical_names``) are tied: every dimension with one name
+    takes one mesh-axis choice, unnamed dimensions of named leaves stay whole
+    (``shardsolve.logical``). ``plan.logical_axis_rules`` then lists the
+    choices as Flax/MaxText rules, and ``plan.stats`` hold the cost of the
+    plan without the ties beside it (``logical_free_cost``, ``logical_cost``,
+    ``logical_overhead``: seconds, seconds, tied / free - 1).
 
     ``expand_scans`` and ``uneven`` are ``build.BuildOptions`` (both on by
     default; off reproduces the planner before scan bodies, resp. uneven
@@ -173,14 +185,42 @@ def plan(
     graph, built = _traced_problem(fun, args, mesh_spec, in_shardings, out_shardings, limit, carry, options, say)
     if memory_check not in MEMORY_CHECKS:
         raise ShardsolveError(f"memory_check={memory_check!r} is not one of {', '.join(map(repr, MEMORY_CHECKS))}")
+    free = None
+    if logical_rules:
+        axes = _logical_axes(args, graph, in_shardings, mesh_spec)
+        say(f"solving without logical-axis ties ({len(built.problem.nodes)} nodes)")
+        free = _solve(built, time_limit, seed, tie, say if progress else None)
+        built = tie_axes(built, graph, axes.ties(), axes.whole())
     say(f"solving ({len(built.problem.nodes)} nodes, {built.problem.num_strategies} strategies)")
     solution = _solve(built, time_limit, seed, tie, say if progress else None)
     if limit is not None and memory_check == "compiled" and _devices_present(mesh_spec):
-        return _within_compiled_memory(graph, built, solution, mesh_spec, fun, args, source, limit, time_limit, seed,
-                                       tie, say, progress)
-    _refuse_unsolved(built, solution, limit)
-    say("done")
-    return to_plan(graph, built, solution, mesh_spec, fun, source)
+        result = _within_compiled_memory(graph, built, solution, mesh_spec, fun, args, source, limit, time_limit,
+                                         seed, tie, say, progress)
+    else:
+        _refuse_unsolved(built, solution, limit)
+        say("done")
+        result = to_plan(graph, built, solution, mesh_spec, fun, source)
+    if free is None:
+        return result
+    stats = dict(result.stats)
+    stats["logical_cost"] = result.cost.total
+    if math.isfinite(free.cost) and free.status not in ("infeasible", "unknown"):
+        free_cost = to_plan(graph, built, free, mesh_spec, fun, source).cost
+        stats.update(logical_free_cost=free_cost.total, logical_free_peak_memory=free_cost.peak_memory,
+                     logical_overhead=result.cost.total / free_cost.total - 1 if free_cost.total > 0 else 0.0)
+    return dataclasses.replace(result, logical_axis_rules=axes.rules(result.inputs), stats=tuple(sorted(stats.items())))
+
+
+def _logical_axes(args: tuple, graph: Graph, in_shardings: Any, mesh: MeshSpec) -> LogicalAxes:
+    """The arguments' logical axis names, checked (``logical.LogicalAxes.check``)."""
+    names = logical_names(args)
+    values = [graph.values[v] for v in graph.inputs]
+    if len(names) != len(values):
+        raise ShardsolveError(f"found logical names for {len(names)} argument leaves, but the program has "
+                              f"{len(values)}; pass the arguments as plain pytrees of arrays and Flax variables")
+    axes = LogicalAxes(tuple(names), tuple(v.name for v in values), tuple(v.shape for v in values))
+    axes.check(mesh, [s is not None for s, _ in argument_pins(graph.traced, in_shardings, mesh)])
+    return axes
 
 
 MEMORY_CHECKS = ("compiled", "model")

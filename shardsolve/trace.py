@@ -38,6 +38,28 @@ class Traced:
     out_avals: tuple  # ShapedArray per flattened output
 
 
+def leaf_names(tree_def: Any, prefix: str = "") -> list[str]:
+    """The name of every leaf of ``tree_def``: ``prefix`` and its key path (``jax.tree_util.keystr``).
+
+    These are the names tables, ``explain``, conflict labels and plan files use,
+    for any pytree: ``args[0]['blocks'][1]['w']``, ``args[1].mu['wte']``. A
+    trailing ``.value`` (the one child of a box such as Flax's ``nnx.Variable``
+    or Linen's ``LogicallyPartitioned``) is left out, so a parameter is named by
+    its path, ``args[0]['lin']['kernel']``:
+
+        >>> import jax
+        >>> leaf_names(jax.tree_util.tree_structure(({"w": 1, "b": [2, 3]},)), "args")
+        ["args[0]['b'][0]", "args[0]['b'][1]", "args[0]['w']"]
+    """
+    numbered = jax.tree_util.tree_unflatten(tree_def, list(range(tree_def.num_leaves)))
+    names = []
+    for path, _ in jax.tree_util.tree_flatten_with_path(numbered)[0]:
+        if path and isinstance(path[-1], jax.tree_util.GetAttrKey) and path[-1].name == "value":
+            path = path[:-1]
+        names.append(prefix + jax.tree_util.keystr(tuple(path)))
+    return names
+
+
 def abstractify(x: Any) -> jax.ShapeDtypeStruct:
     """Shape and dtype of an array-like argument (arrays are never copied)."""
     if isinstance(x, jax.ShapeDtypeStruct):

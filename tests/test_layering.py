@@ -32,7 +32,7 @@ STAGES: tuple[tuple[str, ...], ...] = (
     ("graph",),
     ("rules",),
     ("problem",),
-    ("annotations", "build"),
+    ("annotations", "build", "logical", "flax"),  # flax: the glue to Flax models (flax imported lazily)
     ("reductions", "encodings", "tying", "iopddl"),  # the solver layer
     ("schedule",),
     ("lower",),  # the rewriter executes a schedule; ``plan.jit()`` runs its program

@@ -63,9 +63,11 @@ def run(args: argparse.Namespace) -> int:
 
 def _value_names(plan: Plan) -> list[str]:
     """Names of the plan's arguments: from its trace when bound, else rebuilt from the pytree structure."""
+    if plan.input_names:
+        return list(plan.input_names)
     if plan.graph is not None:
         return [plan.graph.values[v].name for v in plan.graph.inputs]
-    names = _names_from_source(plan)
+    names = _names_from_source(plan)  # a plan file written before plans recorded their argument names
     return names or [f"args[{k}]" for k in range(len(plan.inputs))]
 
 

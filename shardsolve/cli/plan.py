@@ -32,6 +32,9 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--no-tie", action="store_true",
                    help="search every layer on its own (default: repeated layers share shardings, "
                         "reported as optimal only when a bound of the untied problem proves it)")
+    p.add_argument("--logical-rules", action="store_true",
+                   help="tie each logical axis name of the parameters (Flax metadata) to one mesh-axis choice and "
+                        "print the rules (needs the flax extra)")
     p.add_argument("--top", type=int, default=10, help="how many collectives to list (default: 10)")
     p.set_defaults(func=run)
 
@@ -55,6 +58,7 @@ def run(args: argparse.Namespace) -> int:
             progress=lambda message: status.update(message),
             source=str(source_of(args)),
             tie=not args.no_tie,
+            logical_rules=args.logical_rules,
         )
     print_plan(plan, out, top=args.top)
     if args.output:
@@ -65,7 +69,6 @@ def run(args: argparse.Namespace) -> int:
 
 def print_plan(plan: Plan, console: Console, top: int = 10) -> None:
     """A summary table, the arguments' and outputs' shardings, and the largest predicted collectives."""
-    graph = plan.graph
     summary = Table(title="plan", show_header=False, box=None)
     summary.add_column(style="bold")
     summary.add_column()
@@ -84,12 +87,17 @@ def print_plan(plan: Plan, console: Console, top: int = 10) -> None:
         summary.add_row("communication", ", ".join(f"{k} {format_bytes(b)}" for k, b in c.bytes_by_kind))
     if plan.fallbacks:
         summary.add_row("fallbacks", ", ".join(f"{p} x{n}" for p, n in plan.fallbacks))
+    if plan.logical_axis_rules:
+        summary.add_row("logical-axis rules", ", ".join(f"{n} -> {a}" for n, a in plan.logical_axis_rules))
+        if "logical_free_cost" in stats:
+            summary.add_row("rules cost", f"{stats['logical_overhead']:+.2%} vs the free plan "
+                            f"({stats['logical_free_cost'] * 1e3:.4f} ms)")
     console.print(summary)
 
     table = Table(title="arguments and outputs")
     for col in ("value", "shape", "sharding"):
         table.add_column(col)
-    names = [graph.values[v].name for v in graph.inputs] if graph else [f"args[{k}]" for k in range(len(plan.inputs))]
+    names = plan.input_names or [f"args[{k}]" for k in range(len(plan.inputs))]
     for name, (shape, dtype), s in zip(names, plan.signature.in_avals, plan.inputs):
         table.add_row(name, f"{dtype}{list(shape)}", str(s.to_spec()))
     for k, ((shape, dtype), s) in enumerate(zip(plan.signature.out_avals, plan.outputs)):
