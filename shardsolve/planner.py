@@ -23,7 +23,7 @@ import numpy as np
 import shardsolve.encodings as encodings
 from shardsolve.annotations import argument_pins, carry_pairs, output_pins
 from shardsolve.build import BuildOptions, Built, build_problem
-from shardsolve.errors import InfeasibleError, ShardsolveError
+from shardsolve.errors import InfeasibleError, Interrupted, ShardsolveError
 from shardsolve.graph import Graph, Lit
 from shardsolve.mesh import MeshSpec, as_mesh_spec
 from shardsolve.plan import Cost, OpPlan, Plan, Signature, predicted_collectives
@@ -147,6 +147,10 @@ def plan(
     ``"exact"`` or ``"restricted"``). Programs without repetition are solved
     as they are. ``tie=False`` always searches untied.
 
+    Ctrl-C while solving raises ``errors.Interrupted`` (a ``KeyboardInterrupt``)
+    whose ``plan`` is the best complete plan found so far (``status``
+    ``"interrupted"``, with its gap), or ``None`` where there was none yet.
+
     ``expand_scans`` and ``uneven`` are ``build.BuildOptions`` (both on by
     default; off reproduces the planner before scan bodies, resp. uneven
     splits, were planned).
@@ -159,7 +163,13 @@ def plan(
     options = BuildOptions(expand_scans=expand_scans, uneven=uneven)
     graph, built = _traced_problem(fun, args, mesh_spec, in_shardings, out_shardings, limit, carry, options, say)
     say(f"solving ({len(built.problem.nodes)} nodes, {built.problem.num_strategies} strategies)")
-    solution = _solve(built, time_limit, seed, tie, say if progress else None)
+    try:
+        solution = _solve(built, time_limit, seed, tie, say if progress else None)
+    except Interrupted as interrupt:  # Ctrl-C: hand back the best complete plan so far, where there is one
+        best = interrupt.solution
+        if best is not None and len(best.assignment) == len(built.problem.nodes):
+            interrupt.plan = to_plan(graph, built, best, mesh_spec, fun, source)
+        raise
     if solution.status in ("infeasible", "unknown") or not math.isfinite(solution.cost):
         if solution.status == "unknown":
             raise ShardsolveError(
