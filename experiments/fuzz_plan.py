@@ -215,7 +215,9 @@ def run_one(p: Program) -> Result:
     h, ws = arguments(p)
     fun = p.program()
     args = (h, ws)
-    in_specs = (p.h_spec, list(p.w_specs))
+    stacked = [op in ("scan", "nested_scan") for op in p.ops if op in ("dot", "scan", "nested_scan")]
+    w_specs = [P(None, *spec) if spec is not None and is_stacked else spec for spec, is_stacked in zip(p.w_specs, stacked, strict=True)]
+    in_specs = (p.h_spec, w_specs)  # a scan's weights are pinned past their layer dimension
     try:
         plan = shardsolve.plan(fun, *args, mesh=p.mesh, in_shardings=in_specs, memory_limit=p.memory, time_limit=10)
     except InfeasibleError as e:
