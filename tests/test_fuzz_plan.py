@@ -28,7 +28,7 @@ def test_fuzz_slice_plans_runs_and_lowers_exactly():
     results = fuzz_plan.fuzz(SLICE, start=0)
     assert len(results) == SLICE
     failed = {r.program.text: f"{r.outcome}: {r.detail.splitlines()[0]}" for r in results
-              if r.outcome not in ("ok", "infeasible")}
+              if r.outcome not in ("ok", "infeasible", "refused")}
     assert set(failed) == KNOWN, "\n".join(f"{k}: {v}" for k, v in failed.items() if k not in KNOWN)
 
 
@@ -41,7 +41,7 @@ def _program(ops, batch, width, mesh, h_spec, w_specs=(), memory=None, grad=Fals
 def test_uneven_gather_and_dynamic_update_through_plan_jit():
     p = _program(["reshape", "gather", "transpose", "dynamic"], 6, 12, "x=4", P("x"), memory="6KiB")
     r = fuzz_plan.run_one(p)
-    assert r.outcome in ("ok", "infeasible"), r.detail
+    assert r.outcome in ("ok", "infeasible", "refused"), r.detail
 
 
 @pytest.mark.xfail(strict=True, reason="found by fuzz_plan: the gradient of a scan on a 2x2x2 mesh lowers a "
@@ -49,4 +49,12 @@ def test_uneven_gather_and_dynamic_update_through_plan_jit():
 def test_scan_gradient_reduce_scatter_bytes_as_predicted():
     p = _program(["scan"], 16, 12, "a=2,b=2,c=2", P(("a", "b")), [P(None, "c")], memory="1MiB", grad=True)
     r = fuzz_plan.run_one(p)
-    assert r.outcome in ("ok", "infeasible"), r.detail
+    assert r.outcome in ("ok", "infeasible", "refused"), r.detail
+
+
+@pytest.mark.xfail(strict=True, reason="found by fuzz_plan: the gradient of a reshape and a scan on a 2x2 mesh "
+                   "lowers half the all-gather bytes over (a, b) that the plan predicts (lives in schedule / lower)")
+def test_reshape_scan_gradient_all_gather_bytes_as_predicted():
+    p = _program(["reshape", "scan", "sin_mul"], 12, 16, "a=2,b=2", None, [None], memory="6KiB", grad=True)
+    r = fuzz_plan.run_one(p)
+    assert r.outcome in ("ok", "infeasible", "refused"), r.detail
