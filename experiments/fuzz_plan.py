@@ -262,14 +262,15 @@ def fuzz(count: int, start: int = 0, on_result=None) -> list[Result]:
     return results
 
 
-def summary(results: list[Result], seconds: float) -> str:
+def summary(results: list[Result], seconds: float, start: int = 0) -> str:
     kinds = ("ok", "infeasible", "refused", "crash", "numerics", "collectives")
     counts = {k: sum(r.outcome == k for r in results) for k in kinds}
     with_cf = sum(any(op in ("scan", "nested_scan", "cond", "while") for op in r.program.ops) for r in results)
     lines = [
         "# Fuzzing the planner with control flow",
         "",
-        f"Written by `python experiments/fuzz_plan.py --count {len(results)}`: {len(results)} programs in {seconds:.0f} s "
+        f"Written by `python experiments/fuzz_plan.py --count {len(results)} --seed {start}`: {len(results)} programs "
+        f"in {seconds:.0f} s, {len({r.program.text for r in results})} distinct "
         f"({with_cf} with scan, cond or while_loop).",
         "",
         "| outcome | programs |",
@@ -291,11 +292,16 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     started = time.perf_counter()
 
+    so_far: list[Result] = []
+
     def show(r: Result) -> None:
         print(f"{r.outcome:12s} {r.program.text} {r.detail.splitlines()[0] if r.detail else ''}", flush=True)
+        so_far.append(r)
+        if len(so_far) % 25 == 0:  # an interrupted campaign keeps its figures
+            Path(args.out).write_text(summary(so_far, time.perf_counter() - started, args.seed))
 
     results = fuzz(args.count, args.seed, show)
-    text = summary(results, time.perf_counter() - started)
+    text = summary(results, time.perf_counter() - started, args.seed)
     Path(args.out).write_text(text)
     print(text)
     return 1 if any(r.outcome in ("crash", "numerics", "collectives") for r in results) else 0

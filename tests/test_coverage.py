@@ -164,3 +164,20 @@ def test_plans_are_byte_identical_across_processes(tmp_path, models_dir):
                         "--time-limit", "10", "-o", str(out)], check=True, capture_output=True, env=dict(os.environ))
         outs.append(out.read_bytes())
     assert outs[0] == outs[1]
+
+
+def test_pin_splitting_a_dimension_too_finely_is_refused_in_one_line():
+    x = jax.ShapeDtypeStruct((6, 4), jnp.float32)
+    with pytest.raises(shardsolve.ShardsolveError) as info:
+        shardsolve.plan(lambda x: x * 2, x, mesh="x=8", in_shardings=(P("x"),))
+    text = str(info.value)
+    assert "splits dimension 0 of size 6 into 8 parts, more than it has elements" in text and "\n" not in text
+
+
+def test_named_axis_collective_outside_shard_map_is_refused_in_one_line():
+    x = jax.ShapeDtypeStruct((8, 4), jnp.float32)
+    with pytest.raises(shardsolve.ShardsolveError) as info:
+        shardsolve.plan(lambda x: lax.psum(x, "i"), x, mesh=MESH)
+    text = str(info.value)
+    assert text.startswith("tracing the function failed: NameError") and "unbound axis name" in text
+    assert "\n" not in text

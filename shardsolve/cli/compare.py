@@ -44,7 +44,8 @@ def add_parser(sub: Any) -> None:
         description="Compile FILE[:NAME] with GSPMD and Shardy propagation, shardsolve's plan and (if the model has "
         "one) its expert annotation, from the same annotations, and judge every compiled program with the one "
         "cost model: per-device FLOPs, memory and the collectives of the optimized HLO. Nothing runs; on a "
-        "machine with fewer devices than the mesh, fake CPU devices are used.",
+        "machine with fewer devices than the mesh, fake CPU devices are used. FILE is imported and run as Python "
+        "code: give only files you trust.",
     )
     add_model_arguments(p, annotations_help="which of the model's annotations every program gets (default: the "
                         "model's own)", memory_help="bytes per device for the plan and the 'fits' row, e.g. 16GiB")

@@ -25,7 +25,9 @@ def add_parser(sub: Any) -> None:
         "plan",
         help="plan a model file's shardings",
         description="Trace FILE[:NAME] (a function returning shardsolve.Model; NAME defaults to the file's stem), "
-        "solve for the cheapest sharding of every value, print the plan and optionally write it as JSON.",
+        "solve for the cheapest sharding of every value, print the plan and optionally write it as JSON. "
+        "FILE is imported and run as Python code: give only files you trust (plan files are JSON, never run). "
+        "Ctrl-C or SIGTERM writes the best plan so far (status interrupted) to -o and exits 130 or 143.",
     )
     add_model_arguments(p, annotations_help="which of the model's annotations to pin (default: the model's own, "
                         "usually the batch only)", memory_help="bytes per device, e.g. 16GiB (default: no limit)")
