@@ -11,25 +11,32 @@ from lower_cases import check_lowering
 import shardsolve
 from shardsolve.sharding import Sharding
 
-# scan_transformer is planned and lowered the same way in test_scan.py
-MODELS = ["mlp.py:mlp", "gpt2.py:gpt2", "gpt2.py:gpt2_adam", "llama.py:llama", "moe.py:moe"]
+# scan_transformer is planned and lowered the same way in test_scan.py. With only the batch pinned the
+# small models' plans all-gather and little else; the expert (Megatron) pins make them all-reduce and
+# reduce-scatter partial sums, so the lowering's reductions are checked too.
+MODELS = ["mlp.py:mlp", "gpt2.py:gpt2", "gpt2.py:gpt2_adam", "llama.py:llama", "moe.py:moe",
+          "mlp.py:mlp expert", "gpt2.py:gpt2 expert"]
 
 
 @pytest.mark.parametrize("name", MODELS)
 def test_model_plan_matches_unsharded(models_dir, name):
+    name, _, annotations = name.partition(" ")
     if not (models_dir / name.split(":")[0]).exists():
         pytest.skip(f"{name} is not bundled")
     model = shardsolve.load_model(f"{models_dir}/{name}", "small")
+    in_shardings = model.expert_in_shardings if annotations == "expert" else model.in_shardings
     plan = shardsolve.plan(
-        model.fun, *model.args, mesh="data=2,model=4", in_shardings=model.in_shardings,
+        model.fun, *model.args, mesh="data=2,model=4", in_shardings=in_shardings,
         out_shardings=model.out_shardings, carry=model.carry, time_limit=10,
     )
+    if annotations == "expert":
+        assert {k for k, _ in plan.cost.bytes_by_kind} & {"all-reduce", "reduce-scatter"}
     assert plan.status in ("optimal", "feasible")
     # Annotations are respected exactly.
     from shardsolve.annotations import broadcast_annotations
 
     tree = jax.tree_util.tree_structure(model.args)
-    for got, ann in zip(plan.inputs, broadcast_annotations(model.in_shardings, tree, "in_shardings"), strict=True):
+    for got, ann in zip(plan.inputs, broadcast_annotations(in_shardings, tree, "in_shardings"), strict=True):
         if ann is not None:
             assert got == Sharding.from_spec(ann, got.ndim)
     expected = jax.jit(model.fun)(*model.args)
