@@ -85,7 +85,7 @@ class Program:
     @property
     def text(self) -> str:
         return (f"ops={list(self.ops)} h=({self.batch},{self.width}) mesh={self.mesh} h_spec={self.h_spec} "
-                f"w_specs={list(self.w_specs)} memory={self.memory} grad={self.grad}")
+                f"w_specs={list(self.w_specs)} memory={self.memory} grad={self.grad} seed={self.seed}")
 
     def n_weights(self) -> int:
         return sum(op in ("dot", "scan", "nested_scan") for op in self.ops)

@@ -19,8 +19,9 @@ SLICE = 12
 # Programs of the slice that fail for the bugs the xfail tests below name (mend them and drop them here).
 KNOWN = {
     "ops=['reshape', 'gather', 'transpose', 'dynamic'] h=(6,12) mesh=x=4 h_spec=P('x',) w_specs=[] memory=6KiB "
-    "grad=False",
-    "ops=['scan'] h=(16,12) mesh=a=2,b=2,c=2 h_spec=P(('a', 'b'),) w_specs=[P(None, 'c')] memory=1MiB grad=True",
+    "grad=False seed=1261",
+    "ops=['scan'] h=(16,12) mesh=a=2,b=2,c=2 h_spec=P(('a', 'b'),) w_specs=[P(None, 'c')] memory=1MiB grad=True "
+    "seed=41326",
 }
 
 
@@ -36,10 +37,11 @@ def _program(ops, batch, width, mesh, h_spec, w_specs=(), memory=None, grad=Fals
     return fuzz_plan.Program(tuple(ops), batch, width, mesh, h_spec, tuple(w_specs), memory, grad, seed)
 
 
-@pytest.mark.xfail(strict=True, reason="found by fuzz_plan: plan.jit() of a gather and a dynamic update on 6 rows "
-                   "split over 4 devices differs from the unsharded function (lives in plan.jit / export)")
+@pytest.mark.xfail(strict=True, reason="found by fuzz_plan: a gather then a data-dependent dynamic slice and update "
+                   "on 6 rows split over 4 devices: plan.jit() and lower() both differ from the unsharded function "
+                   "(lives in plan.jit / export and lower)")
 def test_uneven_gather_and_dynamic_update_through_plan_jit():
-    p = _program(["reshape", "gather", "transpose", "dynamic"], 6, 12, "x=4", P("x"), memory="6KiB")
+    p = _program(["reshape", "gather", "transpose", "dynamic"], 6, 12, "x=4", P("x"), memory="6KiB", seed=1261)
     r = fuzz_plan.run_one(p)
     assert r.outcome in ("ok", "infeasible", "refused"), r.detail
 
@@ -47,7 +49,8 @@ def test_uneven_gather_and_dynamic_update_through_plan_jit():
 @pytest.mark.xfail(strict=True, reason="found by fuzz_plan: the gradient of a scan on a 2x2x2 mesh lowers a "
                    "reduce-scatter of 144 bytes where the plan predicts 192 (lives in schedule / lower)")
 def test_scan_gradient_reduce_scatter_bytes_as_predicted():
-    p = _program(["scan"], 16, 12, "a=2,b=2,c=2", P(("a", "b")), [P(None, "c")], memory="1MiB", grad=True)
+    p = _program(["scan"], 16, 12, "a=2,b=2,c=2", P(("a", "b")), [P(None, "c")], memory="1MiB", grad=True,
+                 seed=41326)
     r = fuzz_plan.run_one(p)
     assert r.outcome in ("ok", "infeasible", "refused"), r.detail
 
@@ -56,5 +59,14 @@ def test_scan_gradient_reduce_scatter_bytes_as_predicted():
                    "lowers half the all-gather bytes over (a, b) that the plan predicts (lives in schedule / lower)")
 def test_reshape_scan_gradient_all_gather_bytes_as_predicted():
     p = _program(["reshape", "scan", "sin_mul"], 12, 16, "a=2,b=2", None, [None], memory="6KiB", grad=True)
+    r = fuzz_plan.run_one(p)
+    assert r.outcome in ("ok", "infeasible", "refused"), r.detail
+
+
+@pytest.mark.xfail(strict=True, reason="found by fuzz_plan: the gradient of two scans around custom_jvp/custom_vjp "
+                   "on 8 devices lowers 2048 reduce-scatter bytes where the plan predicts 2112 (schedule / lower)")
+def test_scans_around_custom_derivatives_gradient_bytes_as_predicted():
+    p = _program(["scan", "custom_jvp", "custom_vjp", "scan"], 16, 16, "x=8", P("x"), [None, None], memory="6KiB",
+                 grad=True)
     r = fuzz_plan.run_one(p)
     assert r.outcome in ("ok", "infeasible", "refused"), r.detail
