@@ -15,6 +15,8 @@ best complete result so far, if there is one, with status ``interrupted``
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 from typing import Sequence
 
 from rich.markup import escape
@@ -54,4 +56,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         except KeyboardInterrupt as e:  # SIGINT or SIGTERM: the command wrote its best result, if it had one
             if not getattr(e, "reported", False):
                 console(stderr=True).print("interrupted: nothing written", markup=False)
-            return exit_status(received)
+            status = exit_status(received)
+            if argv is None:  # the ``shardsolve`` program itself, not a call from Python
+                # Interrupted mid-compile, XLA's threads can crash the interpreter's tear-down (SIGSEGV
+                # after the line above): everything is written, so leave without it.
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(status)
+            return status
