@@ -147,3 +147,21 @@ def test_python_api_reraises_keyboard_interrupt_with_the_best_plan(monkeypatch):
     with pytest.raises(Interrupted) as info:
         shardsolve.plan(lambda x, w: jnp.tanh(x @ w), x, w, mesh=MESH, tie=False)
     assert info.value.plan is None and info.value.solution is None
+
+
+def test_an_interrupt_python_drops_is_delivered_again():
+    """A signal handled inside a garbage-collector callback or ``__del__`` raises where Python drops it."""
+    from shardsolve.cli.common import exit_status, interrupts
+
+    class Dropped:
+        def __del__(self):
+            os.kill(os.getpid(), signal.SIGTERM)  # the handler raises here, where Python ignores it
+            time.sleep(0.01)
+
+    with interrupts() as received:
+        with pytest.raises(KeyboardInterrupt):
+            thing = Dropped()
+            del thing
+            for _ in range(1000):  # ordinary code: the interrupt is delivered again here
+                time.sleep(0.001)
+    assert received[0] == signal.SIGTERM and exit_status(received) == 143

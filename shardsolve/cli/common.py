@@ -15,6 +15,7 @@ exits with ``EXIT_BAD_INPUT``. Output files are written whole or not at all
 
 from __future__ import annotations
 
+import _thread
 import argparse
 import json
 import math
@@ -22,6 +23,7 @@ import os
 import shlex
 import signal
 import sys
+import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -180,17 +182,33 @@ def interrupts() -> Iterator[list[int]]:
         received.append(signum)
         raise KeyboardInterrupt
 
+    def unraisable(info: Any) -> None:
+        # Python drops an exception raised where it cannot propagate (a garbage-collector callback of
+        # JAX's, a __del__): the interrupt would be lost and the command run on. Deliver it again from
+        # another thread, so that it lands on a later line of ordinary code (or, dropped again, comes back).
+        if isinstance(info.exc_value, KeyboardInterrupt) and received:
+            again = threading.Timer(0.05, _thread.interrupt_main, args=(received[0],))
+            again.daemon = True
+            again.start()
+            return
+        previous_hook(info)
+
     saved = {}
     try:
         for sig in (signal.SIGINT, signal.SIGTERM):
             saved[sig] = signal.signal(sig, handler)
     except ValueError:  # not the main thread
         pass
+    previous_hook = sys.unraisablehook
+    if saved:
+        sys.unraisablehook = unraisable
     try:
         yield received
     finally:
         for sig, old in saved.items():
             signal.signal(sig, old)
+        if saved:
+            sys.unraisablehook = previous_hook
 
 
 def exit_status(received: list[int]) -> int:
