@@ -165,3 +165,24 @@ def test_an_interrupt_python_drops_is_delivered_again():
             for _ in range(1000):  # ordinary code: the interrupt is delivered again here
                 time.sleep(0.001)
     assert received[0] == signal.SIGTERM and exit_status(received) == 143
+
+
+def test_an_error_raised_by_the_interrupt_still_exits_as_interrupted(capsys, monkeypatch):
+    """An interrupt that stops a module's initialisation comes out as ImportError; it is still an interrupt."""
+    import shardsolve.cli.plan as plan_command
+    from shardsolve.cli import main
+
+    def interrupted_import(args):
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.01)
+        raise AssertionError("not reached")
+
+    def broken_import(args):
+        try:
+            interrupted_import(args)
+        except KeyboardInterrupt as e:
+            raise ImportError("initialization failed") from e
+
+    monkeypatch.setattr(plan_command, "run", broken_import)
+    assert main(["plan", "m.py", "--mesh", MESH]) == 130
+    assert capsys.readouterr().err.strip() == "interrupted: nothing written"

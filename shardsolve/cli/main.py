@@ -54,13 +54,24 @@ def main(argv: Sequence[str] | None = None) -> int:
             console(stderr=True).print(f"[red]error:[/red] {escape(str(e))}", soft_wrap=True)
             return EXIT_BAD_INPUT
         except KeyboardInterrupt as e:  # SIGINT or SIGTERM: the command wrote its best result, if it had one
-            if not getattr(e, "reported", False):
-                console(stderr=True).print("interrupted: nothing written", markup=False)
-            status = exit_status(received)
-            if argv is None:  # the ``shardsolve`` program itself, not a call from Python
-                # Interrupted mid-compile, XLA's threads can crash the interpreter's tear-down (SIGSEGV
-                # after the line above): everything is written, so leave without it.
-                sys.stdout.flush()
-                sys.stderr.flush()
-                os._exit(status)
-            return status
+            return _interrupted(e, received, program=argv is None)
+        except Exception as e:
+            if not received:
+                raise
+            # The interrupt turned into another error on its way out (it stopped a module's initialisation:
+            # "ImportError: initialization failed"): still an interrupt.
+            return _interrupted(e, received, program=argv is None)
+
+
+def _interrupted(e: BaseException, received: list[int], program: bool) -> int:
+    """Say what an interrupted command left (unless it did) and give its exit status."""
+    if not getattr(e, "reported", False):
+        console(stderr=True).print("interrupted: nothing written", markup=False)
+    status = exit_status(received)
+    if program:  # the ``shardsolve`` program itself, not a call from Python
+        # Interrupted mid-compile, XLA's threads can crash the interpreter's tear-down (SIGSEGV after
+        # the line above): everything is written, so leave without it.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
+    return status
