@@ -47,7 +47,7 @@ from shardsolve.errors import InfeasibleError, Interrupted, ShardsolveError
 from shardsolve.problem import Problem, Solution
 from shardsolve.reductions import reduce
 
-__all__ = ["solve", "explain_infeasible", "DEFAULT_TIME_LIMIT"]
+__all__ = ["solve", "interruptible", "explain_infeasible", "DEFAULT_TIME_LIMIT"]
 
 #: Budget when ``time_limit`` is None.
 DEFAULT_TIME_LIMIT = 30.0
@@ -88,7 +88,7 @@ def _quiet(message: str, best: float, bound: float) -> None:
     return None
 
 
-def _interruptible(search: Callable[..., Solution]) -> Callable[..., Solution]:
+def interruptible(search: Callable[..., Solution]) -> Callable[..., Solution]:
     """Turn a ``KeyboardInterrupt`` during ``search`` into ``errors.Interrupted`` carrying the best so far.
 
     ``search`` gets one more keyword, ``incumbent``: a dict it keeps holding
@@ -110,7 +110,7 @@ def _interruptible(search: Callable[..., Solution]) -> Callable[..., Solution]:
     return run
 
 
-@_interruptible
+@interruptible
 def solve(
     problem: Problem,
     *,

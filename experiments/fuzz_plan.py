@@ -213,7 +213,7 @@ def _close(got, want, rtol=2e-4, atol=2e-5) -> float | None:
     return None if ok else worst
 
 
-def run_one(p: Program) -> Result:
+def run_one(p: Program, time_limit: float = 10) -> Result:
     h, ws = arguments(p)
     fun = p.program()
     args = (h, ws)
@@ -221,7 +221,8 @@ def run_one(p: Program) -> Result:
     w_specs = [P(None, *spec) if spec is not None and is_stacked else spec for spec, is_stacked in zip(p.w_specs, stacked, strict=True)]
     in_specs = (p.h_spec, w_specs)  # a scan's weights are pinned past their layer dimension
     try:
-        plan = shardsolve.plan(fun, *args, mesh=p.mesh, in_shardings=in_specs, memory_limit=p.memory, time_limit=10)
+        plan = shardsolve.plan(fun, *args, mesh=p.mesh, in_shardings=in_specs, memory_limit=p.memory,
+                               time_limit=time_limit)
     except InfeasibleError as e:
         return Result(p, "infeasible", str(e)[:160])
     except ShardsolveError as e:  # a pin the shapes cannot take: refused in one line, as it should be

@@ -44,7 +44,7 @@ def holding(real, marker: Path):
         while True:  # a search that never ends on its own
             time.sleep(0.02)
 
-    return encodings._interruptible(search)
+    return encodings.interruptible(search)
 
 
 def main() -> int:

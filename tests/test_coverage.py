@@ -160,7 +160,7 @@ def test_plans_are_byte_identical_across_processes(tmp_path, models_dir):
     outs = []
     for name in ("a.json", "b.json"):
         out = tmp_path / name
-        subprocess.run([sys.executable, "-m", "shardsolve.cli", "plan", f"{models_dir}/gpt2.py:gpt2", "--mesh", MESH,
+        subprocess.run([sys.executable, "-m", "shardsolve.cli", "plan", f"{models_dir}/mlp.py:mlp", "--mesh", MESH,
                         "--time-limit", "10", "-o", str(out)], check=True, capture_output=True, env=dict(os.environ))
         outs.append(out.read_bytes())
     assert outs[0] == outs[1]

@@ -131,7 +131,7 @@ def test_python_api_reraises_keyboard_interrupt_with_the_best_plan(monkeypatch):
         incumbent["solution"] = lambda: __import__("dataclasses").replace(found, status="interrupted")
         raise KeyboardInterrupt  # as Ctrl-C would, mid-search
 
-    monkeypatch.setattr(encodings, "solve", encodings._interruptible(search))
+    monkeypatch.setattr(encodings, "solve", encodings.interruptible(search))
     x = jax.ShapeDtypeStruct((16, 8), jnp.float32)
     w = jax.ShapeDtypeStruct((8, 4), jnp.float32)
     with pytest.raises(KeyboardInterrupt) as info:
@@ -143,7 +143,7 @@ def test_python_api_reraises_keyboard_interrupt_with_the_best_plan(monkeypatch):
     def nothing_yet(problem, *, incumbent, **options):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(encodings, "solve", encodings._interruptible(nothing_yet))
+    monkeypatch.setattr(encodings, "solve", encodings.interruptible(nothing_yet))
     with pytest.raises(Interrupted) as info:
         shardsolve.plan(lambda x, w: jnp.tanh(x @ w), x, w, mesh=MESH, tie=False)
     assert info.value.plan is None and info.value.solution is None
