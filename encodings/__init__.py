@@ -43,11 +43,11 @@ from typing import Callable
 
 import numpy as np
 
-from shardsolve.errors import InfeasibleError, ShardsolveError
+from shardsolve.errors import InfeasibleError, Interrupted, ShardsolveError
 from shardsolve.problem import Problem, Solution
 from shardsolve.reductions import reduce
 
-__all__ = ["solve", "explain_infeasible", "DEFAULT_TIME_LIMIT"]
+__all__ = ["solve", "interruptible", "explain_infeasible", "DEFAULT_TIME_LIMIT"]
 
 #: Budget when ``time_limit`` is None.
 DEFAULT_TIME_LIMIT = 30.0
@@ -88,6 +88,29 @@ def _quiet(message: str, best: float, bound: float) -> None:
     return None
 
 
+def interruptible(search: Callable[..., Solution]) -> Callable[..., Solution]:
+    """Turn a ``KeyboardInterrupt`` during ``search`` into ``errors.Interrupted`` carrying the best so far.
+
+    ``search`` gets one more keyword, ``incumbent``: a dict it keeps holding
+    ``"solution"``, a function returning the best complete assignment found so far
+    as a ``Solution`` of the original problem with status ``"interrupted"``.
+    """
+
+    def run(problem: Problem, **options) -> Solution:
+        incumbent: dict = {}
+        try:
+            return search(problem, incumbent=incumbent, **options)
+        except Interrupted:
+            raise
+        except KeyboardInterrupt:
+            best = incumbent.get("solution")
+            raise Interrupted(best() if best is not None else None) from None
+
+    run.__doc__, run.__name__, run.__wrapped__ = search.__doc__, search.__name__, search
+    return run
+
+
+@interruptible
 def solve(
     problem: Problem,
     *,
@@ -95,6 +118,7 @@ def solve(
     seed: int = 0,
     workers: int | None = None,
     progress: Progress | None = None,
+    incumbent: dict | None = None,
 ) -> Solution:
     """Pick one strategy per node, minimising cost under pins and the memory limit.
 
@@ -119,6 +143,8 @@ def solve(
     and whose ``lower_bound`` is certified. ``status``: ``"optimal"``,
     ``"feasible"``, ``"infeasible"`` (with ``conflict`` when it could be
     explained) or ``"unknown"`` (nothing feasible found in the budget).
+    Ctrl-C raises ``errors.Interrupted`` with the best complete solution so
+    far (status ``"interrupted"``), or none.
     """
     from shardsolve.encodings import bounds, cpsat, heuristics
 
@@ -182,6 +208,9 @@ def solve(
         nonlocal best_x, best_cost
         if x is not None and cost < best_cost:
             best_x, best_cost = np.asarray(x, dtype=np.int64), cost
+            if incumbent is not None:
+                incumbent["solution"] = lambda x=best_x: _interrupted(problem, reduced.lift(x), bound + offset,
+                                                                      time.perf_counter() - started, stats)
 
     # 1. LP relaxation (moderate sizes): a bound, a guide for the search, and often the optimum.
     #    Planner problems and IOPDDL B/G have an integral LP: its rounding is optimal.
@@ -328,6 +357,14 @@ def solve(
     stats.update(lns_stats)
     consider(x, cost)
     return finish(reduced.lift(best_x), "feasible", bound + offset, stats)
+
+
+def _interrupted(problem: Problem, assignment, bound: float, wall: float, stats: dict) -> Solution | None:
+    """The ``Solution`` an interrupted search hands back: a complete assignment, its cost and the bound so far."""
+    cost = problem.evaluate(assignment)
+    if not math.isfinite(cost):
+        return None
+    return Solution(tuple(int(s) for s in assignment), cost, min(bound, cost), "interrupted", wall, (), dict(stats))
 
 
 def _trws_passes(flat, budget: float) -> int:

@@ -335,6 +335,7 @@ def solve_cpsat(
     built = time.perf_counter() - started
     solver = cp_model.CpSolver()
     params = solver.parameters
+    params.catch_sigint_signal = False  # Ctrl-C stays Python's: it would reset SIGINT to the default after solving
     params.random_seed = int(seed)
     params.num_workers = max(1, int(workers))
     params.interleave_search = params.num_workers > 1  # deterministic with several workers
@@ -384,6 +385,7 @@ def solve_neighbourhood(flat: Flat, hint: np.ndarray, limit: float, seed: int) -
     encoding.add_hint(hint)
     solver = cp_model.CpSolver()
     params = solver.parameters
+    params.catch_sigint_signal = False  # as in solve_cpsat
     params.random_seed = int(seed)
     params.num_workers = 1
     params.max_deterministic_time = float(limit)

@@ -12,7 +12,7 @@ See README.md for the pipeline and the command-line tool.
 """
 
 from shardsolve.compare import Comparison, compare
-from shardsolve.errors import InfeasibleError, ShardsolveError
+from shardsolve.errors import InfeasibleError, Interrupted, ShardsolveError
 from shardsolve.mesh import MeshAxis, MeshSpec
 from shardsolve.model import Model, load_model
 from shardsolve.plan import Cost, OpPlan, Plan, PredictedCollective, load_plan
@@ -30,6 +30,7 @@ __all__ = [
     "Comparison",
     "Cost",
     "InfeasibleError",
+    "Interrupted",
     "MeshAxis",
     "MeshSpec",
     "Model",

@@ -35,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from shardsolve.errors import ShardsolveError
+from shardsolve.errors import Interrupted, ShardsolveError
 from shardsolve.files import write_atomically
 from shardsolve.problem import FORBIDDEN, Edge, Node, Problem, Solution
 
@@ -223,6 +223,23 @@ def solution_to_json(problem: Problem, solution: Solution) -> dict:
 # -- command line ---------------------------------------------------------------
 
 
+def _keep_interrupted(problem: Problem, interrupt: Interrupted, out, console) -> None:
+    """Write an interrupted search's best solution (if any, and ``out`` is given); one line says which."""
+    best = interrupt.solution
+    if best is None:
+        line = "interrupted: no complete solution yet; nothing written"
+    else:
+        gap = f"{best.gap:.2%}" if math.isfinite(best.gap) else "unknown"
+        what = f"best solution so far (cost {best.cost:,.0f}, gap {gap})"
+        if out is None:
+            line = f"interrupted: {what} not written (no --out given)"
+        else:
+            _write_atomically(Path(out), json.dumps(solution_to_json(problem, best), indent=None).encode())
+            line = f"interrupted: {what} written to {out} with status interrupted"
+    console.print(line, markup=False, soft_wrap=True)
+    interrupt.reported = True
+
+
 def run(path: str | os.PathLike, time_limit: float | None = None, out: str | os.PathLike | None = None, console=None) -> int:
     """Solve one contest instance and print cost, lower bound and gap.
 
@@ -233,7 +250,10 @@ def run(path: str | os.PathLike, time_limit: float | None = None, out: str | os.
 
     Returns the exit status: 0 when a valid solution was found, 1 when none was
     (infeasible or out of time); bad input raises ``ShardsolveError`` (the CLI
-    prints its one-line message and exits with 2).
+    prints its one-line message and exits with 2). Ctrl-C (or SIGTERM in the
+    CLI) writes the best solution so far to ``out`` with status
+    ``"interrupted"``, or nothing when there is none, says which in one line
+    and re-raises ``errors.Interrupted``.
     """
     from rich.console import Console
     from rich.table import Table
@@ -254,7 +274,11 @@ def run(path: str | os.PathLike, time_limit: float | None = None, out: str | os.
             gap = f"{(best - bound) / best:.2%}" if math.isfinite(best) and best > 0 else "-"
             status.update(f"{message}: cost {best:,.0f}, bound {bound:,.0f}, gap {gap}  [{time.perf_counter() - started:.0f}s]")
 
-        solution = solve(problem, time_limit=limit, progress=progress)
+        try:
+            solution = solve(problem, time_limit=limit, progress=progress)
+        except Interrupted as interrupt:
+            _keep_interrupted(problem, interrupt, out, console)
+            raise
     cost = problem.evaluate(solution.assignment) if solution.assignment else math.inf
     table = Table(show_header=False)
     table.add_row("status", solution.status)

@@ -25,7 +25,7 @@ import numpy as np
 import shardsolve.encodings as encodings
 from shardsolve.annotations import argument_pins, carry_pairs, output_pins
 from shardsolve.build import BuildOptions, Built, build_problem, tie_axes
-from shardsolve.errors import InfeasibleError, ShardsolveError
+from shardsolve.errors import InfeasibleError, Interrupted, ShardsolveError
 from shardsolve.flax import logical_names
 from shardsolve.graph import Graph, Lit
 from shardsolve.logical import LogicalAxes
@@ -161,6 +161,10 @@ def plan(
     plan without the ties beside it (``logical_free_cost``, ``logical_cost``,
     ``logical_overhead``: seconds, seconds, tied / free - 1).
 
+    Ctrl-C while solving raises ``errors.Interrupted`` (a ``KeyboardInterrupt``)
+    whose ``plan`` is the best complete plan found so far (``status``
+    ``"interrupted"``, with its gap), or ``None`` where there was none yet.
+
     ``expand_scans`` and ``uneven`` are ``build.BuildOptions`` (both on by
     default; off reproduces the planner before scan bodies, resp. uneven
     splits, were planned).
@@ -192,7 +196,13 @@ def plan(
         free = _solve(built, time_limit, seed, tie, say if progress else None)
         built = tie_axes(built, graph, axes.ties(), axes.whole())
     say(f"solving ({len(built.problem.nodes)} nodes, {built.problem.num_strategies} strategies)")
-    solution = _solve(built, time_limit, seed, tie, say if progress else None)
+    try:
+        solution = _solve(built, time_limit, seed, tie, say if progress else None)
+    except Interrupted as interrupt:  # Ctrl-C: hand back the best complete plan so far, where there is one
+        best = interrupt.solution
+        if best is not None and len(best.assignment) == len(built.problem.nodes):
+            interrupt.plan = to_plan(graph, built, best, mesh_spec, fun, source)
+        raise
     if limit is not None and memory_check == "compiled" and _devices_present(mesh_spec):
         result = _within_compiled_memory(graph, built, solution, mesh_spec, fun, args, source, limit, time_limit,
                                          seed, tie, say, progress)

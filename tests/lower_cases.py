@@ -327,7 +327,9 @@ def check_lowering(plan, args: tuple, reference: Any = None, *, rtol: float = 1e
     want = plan.fun(*args) if reference is None else reference
     got = run(*args)
     numerics_ok, worst = True, 0.0
-    for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
+    if jax.tree_util.tree_structure(got) != jax.tree_util.tree_structure(want):
+        return Outcome(False, False, math.inf, {}, {}, plan)
+    for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want), strict=True):
         a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
         if a.shape != b.shape:
             numerics_ok, worst = False, math.inf

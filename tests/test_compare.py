@@ -120,7 +120,7 @@ def test_explain_plan_lines_name_value_shardings_and_consumer(cmp: Comparison) -
     plan = cmp.plan
     lines = explain(plan)
     assert len(lines) == len(plan.collectives)
-    for e, c in zip(lines, plan.collectives):
+    for e, c in zip(lines, plan.collectives, strict=True):
         text = e.line()
         assert c.value_name in text and str(c.src) in text and str(c.dst) in text and c.consumer in text
         assert e.bytes == c.bytes and e.time == pytest.approx(c.time)

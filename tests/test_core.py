@@ -130,7 +130,11 @@ def test_reshard_steps_reach_the_target(src, dst, partial):
         if step.kind == "reduce-scatter":
             assert step.bytes == step.src.local_bytes((8, 16), 4, MESH)
     assert state == dst
-    assert reshard_time((8, 16), 4, src, dst, MESH) >= 0
+    # The price is the one collective formula applied to each step: nothing moves for free, nothing twice.
+    time = reshard_time((8, 16), 4, src, dst, MESH)
+    assert time == pytest.approx(sum(collective_time(s.kind, s.axes, s.bytes, MESH) for s in steps), rel=1e-12)
+    assert (time == 0) == all(s.kind == "slice" for s in steps)
+    assert (len(steps) == 0) == (src == dst)
 
 
 def test_reshard_partial_cases():

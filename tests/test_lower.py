@@ -238,7 +238,7 @@ def _invariant_layouts(plan) -> list[set]:
 
     schedule = plan.schedule()
     return [{d.target for d in schedule.at(Site((), LOOP_INVARIANTS, op.id)) if d.scope == ()}
-            for op, o in zip(plan.graph.ops, plan.ops) if o.length]
+            for op, o in zip(plan.graph.ops, plan.ops, strict=True) if o.length]
 
 
 def test_two_scans_share_the_hoisted_reshard_of_a_closed_over_value():
@@ -276,7 +276,7 @@ def test_random_programs_with_random_strategies_lower_exactly(seed):
     assert outcome.numerics_ok, (program.text, program.mesh, outcome.max_rel)
     assert outcome.predicted == outcome.lowered, (program.text, program.mesh)
     # pinned arguments and outputs keep their annotations
-    for spec, s in zip(program.in_specs, plan.inputs):
+    for spec, s in zip(program.in_specs, plan.inputs, strict=True):
         if spec is not None:
             assert s.to_spec() == Sharding.from_spec(spec, s.ndim).to_spec()
 

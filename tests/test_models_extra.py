@@ -39,7 +39,7 @@ def test_small_model_learns_and_expert_plan_matches(spec: str, models_dir) -> No
     assert jax.tree.structure(expert) == jax.tree.structure(model.args)
     sharded = jax.jit(model.fun, in_shardings=expert).lower(*model.args).compile(FAST_COMPILE)(*model.args)
     reference = step(*model.args)
-    for a, b in zip(jax.tree.leaves(sharded), jax.tree.leaves(reference)):
+    for a, b in zip(jax.tree.leaves(sharded), jax.tree.leaves(reference), strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-4, atol=2e-5)
     # Only the batch is pinned by default.
     pinned = [x for x in jax.tree.leaves(model.in_shardings, is_leaf=is_spec) if x is not None]

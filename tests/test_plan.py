@@ -14,6 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from lower_cases import check_lowering
 
 import shardsolve
 from shardsolve.errors import InfeasibleError, ShardsolveError
@@ -21,7 +22,8 @@ from shardsolve.sharding import Sharding
 
 
 def _close(a, b):
-    for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)):
+    assert jax.tree_util.tree_structure(a) == jax.tree_util.tree_structure(b)
+    for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b), strict=True):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=2e-4, atol=2e-5)
 
 
@@ -49,8 +51,16 @@ def test_mlp_plan_respects_annotations_and_matches_numerics():
     assert isinstance(plan.in_shardings[0], dict) and set(plan.in_shardings[0]) == {"w1", "w2"}
     out = plan.jit()(params, x)
     _close(out, _mlp_step(params, x))
-    # The jitted function really uses the planned layouts.
-    assert out[1].sharding.is_fully_replicated or out[1].ndim == 0
+    # The jitted function really uses the planned layouts: every output leaves as the plan says.
+    leaves, wanted = jax.tree_util.tree_leaves(out), jax.tree_util.tree_leaves(plan.out_shardings)
+    assert len(leaves) == len(wanted) == 3
+    for leaf, sharding in zip(leaves, wanted, strict=True):
+        assert leaf.sharding.is_equivalent_to(sharding, leaf.ndim), (leaf.sharding, sharding)
+    assert any(not s.is_fully_replicated for s in wanted[:2])  # a weight stays split
+    # The rewriter's program computes the same, with the collectives the plan predicts.
+    outcome = check_lowering(plan, (params, x))
+    assert outcome.numerics_ok, outcome.max_rel
+    assert outcome.collectives_ok, (outcome.predicted, outcome.lowered)
     assert plan.cost.total == pytest.approx(plan.cost.compute + plan.cost.communication)
     assert plan.cost.peak_memory > 0
 
@@ -234,6 +244,9 @@ def test_random_programs_match_numerics(program):
     if x_spec is not None:
         assert plan.inputs[0] == Sharding.from_spec(x_spec, 2)
     _close(plan.jit()(x, ws), f(x, ws))
+    outcome = check_lowering(plan, (x, ws))
+    assert outcome.numerics_ok, outcome.max_rel
+    assert outcome.collectives_ok, (outcome.predicted, outcome.lowered)
 
 
 def test_carry_ties_state_to_its_next_value():

@@ -342,7 +342,7 @@ def test_reshape_factorization_covers_both_shapes(in_shape, rnd):
         out_shape.insert(rnd.randrange(len(out_shape) + 1), 1)
     ins, outs, replicate = factorize_reshape(in_shape, out_shape)
     for shape, dims in ((in_shape, ins), (out_shape, outs)):
-        for n, d in zip(shape, dims):
+        for n, d in zip(shape, dims, strict=True):
             prod = 1
             for _, size in d:
                 prod *= size

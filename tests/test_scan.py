@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
+from lower_cases import check_lowering
 
 import shardsolve
 from shardsolve.build import build_problem
@@ -37,7 +38,8 @@ def _args(layers=8, d=64, batch=32):
 
 
 def _close(a, b):
-    for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)):
+    assert jax.tree_util.tree_structure(a) == jax.tree_util.tree_structure(b)
+    for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b), strict=True):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=2e-4, atol=2e-5)
 
 
@@ -69,7 +71,11 @@ def test_scan_body_planned_once_with_fixed_point_carry(planned):
 
 def test_scan_plan_matches_numerics(planned):
     plan, args = planned
-    _close(plan.jit()(*args), jax.jit(_layers)(*args))
+    expected = jax.jit(_layers)(*args)
+    _close(plan.jit()(*args), expected)
+    outcome = check_lowering(plan, args, expected)
+    assert outcome.numerics_ok, outcome.max_rel
+    assert outcome.collectives_ok, (outcome.predicted, outcome.lowered)
 
 
 def test_scan_plan_no_worse_than_fallback(planned):
@@ -102,7 +108,11 @@ def test_scan_transformer_small_plans_and_matches(models_dir):
     assert plan.status in ("optimal", "feasible")
     scans = [o for o in plan.ops if o.primitive == "scan"]
     assert len(scans) == 2 and all(s.body and s.length == 8 for s in scans)
-    _close(plan.jit()(*model.args), jax.jit(model.fun)(*model.args))
+    expected = jax.jit(model.fun)(*model.args)
+    _close(plan.jit()(*model.args), expected)
+    outcome = check_lowering(plan, model.args, expected)
+    assert outcome.numerics_ok, outcome.max_rel
+    assert outcome.collectives_ok, (outcome.predicted, outcome.lowered)
 
 
 def test_scan_lowered_by_the_rewriter_matches_prediction(planned):

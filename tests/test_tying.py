@@ -191,12 +191,34 @@ def test_tied_plans_are_deterministic(tmp_path):
     assert (tmp_path / "a.json").read_bytes() == (tmp_path / "b.json").read_bytes()
 
 
-def test_cli_no_tie(capsys, tmp_path, models_dir):
-    from shardsolve.cli import main
+STACK_MODEL = """
+import jax, jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+import shardsolve
 
-    out = tmp_path / "plan.json"
-    assert main(["plan", f"{models_dir}/mlp.py:mlp", "--mesh", MESH, "--no-tie", "-o", str(out)]) == 0
-    assert "tying" not in capsys.readouterr().out
+def stack(size="small"):
+    def step(params, x):
+        def loss(params, x):
+            for w in params:
+                x = jnp.tanh(x @ w)
+            return jnp.mean(x * x)
+        grads = jax.grad(loss)(params, x)
+        return [w - 0.1 * g for w, g in zip(params, grads)]
+    params = [jax.ShapeDtypeStruct((32, 32), jnp.float32) for _ in range(6)]
+    return shardsolve.Model(step, (params, jax.ShapeDtypeStruct((16, 32), jnp.float32)), (None, P("data")))
+"""
+
+
+def test_cli_no_tie(capsys, tmp_path):
+    """On a model with repeated layers: tied by default, untied with --no-tie."""
     import json
 
-    assert "tying" not in json.loads(out.read_text())["stats"]
+    from shardsolve.cli import main
+
+    model = tmp_path / "stack.py"
+    model.write_text(STACK_MODEL)
+    for flags, tied in (([], True), (["--no-tie"], False)):
+        out = tmp_path / "plan.json"
+        assert main(["plan", str(model), "--mesh", MESH, "--time-limit", "20", *flags, "-o", str(out)]) == 0
+        assert ("tying" in capsys.readouterr().out) == tied
+        assert ("tying" in json.loads(out.read_text())["stats"]) == tied

@@ -41,9 +41,9 @@ def _rand(shape, seed=0):
 def _uneven_ops(plan) -> list[str]:
     """The operations that read or write a value split unevenly."""
     graph, out = plan.graph, []
-    for op, op_plan in zip(graph.ops, plan.ops):
-        values = [(v, s) for v, s in zip(op.inputs, op_plan.operands) if isinstance(v, int)]
-        values += list(zip(op.outputs, op_plan.results))
+    for op, op_plan in zip(graph.ops, plan.ops, strict=True):
+        values = [(v, s) for v, s in zip(op.inputs, op_plan.operands, strict=True) if isinstance(v, int)]
+        values += list(zip(op.outputs, op_plan.results, strict=True))
         if any(not s.divides(graph.values[v].shape, plan.mesh) for v, s in values):
             out.append(f"{op.primitive} {op_plan.strategy}")
     return out
@@ -351,7 +351,7 @@ def test_scan_body_runs_uneven_intermediates():
     scan = next(op for op in plan.graph.ops if op.primitive == "scan")
     body, body_plans = plan.graph.body(scan), plan.ops[scan.id].body
     assert any(not r.divides(body.values[v].shape, plan.mesh)
-               for bop, bp in zip(body.ops, body_plans) for v, r in zip(bop.outputs, bp.results))
+               for bop, bp in zip(body.ops, body_plans, strict=True) for v, r in zip(bop.outputs, bp.results, strict=True))
     _check_end_to_end(plan, args)
 
 

@@ -15,15 +15,19 @@ exits with ``EXIT_BAD_INPUT``. Output files are written whole or not at all
 
 from __future__ import annotations
 
+import _thread
 import argparse
 import json
 import math
 import os
 import shlex
+import signal
 import sys
+import threading
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Iterator
 
 from rich.console import Console
 
@@ -31,7 +35,7 @@ from shardsolve.errors import ShardsolveError
 from shardsolve.files import write_atomically
 from shardsolve.model import Model
 
-EXIT_OK, EXIT_MISMATCH, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 0, 1, 2, 130
+EXIT_OK, EXIT_MISMATCH, EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_TERMINATED = 0, 1, 2, 130, 143
 ANNOTATIONS = ("default", "expert", "none")
 SIZES = ("small", "large")
 _DEVICE_FLAG = "--xla_force_host_platform_device_count"
@@ -159,3 +163,74 @@ def write_json(path: str, data: Any) -> None:
     """``data`` as indented, key-sorted JSON, written atomically."""
     check_output(path, "out.json")
     write_atomically(Path(path), json.dumps(data, indent=1, sort_keys=True).encode())
+
+
+# -- interrupts -----------------------------------------------------------------------
+
+
+@contextmanager
+def interrupts() -> Iterator[list[int]]:
+    """SIGINT and SIGTERM raise ``KeyboardInterrupt`` inside; yields a list that records the signals received.
+
+    The exit status of an interrupted command is ``exit_status(signals)``:
+    130 for SIGINT, 143 for SIGTERM (128 + the signal's number, as a shell
+    reports a process killed by it). Outside the main thread nothing is installed.
+    """
+    received: list[int] = []
+
+    def handler(signum: int, frame: Any) -> None:
+        received.append(signum)
+        raise KeyboardInterrupt
+
+    def unraisable(info: Any) -> None:
+        # Python drops an exception raised where it cannot propagate (a garbage-collector callback of
+        # JAX's, a __del__): the interrupt would be lost and the command run on. Deliver it again from
+        # another thread, so that it lands on a later line of ordinary code (or, dropped again, comes back).
+        if isinstance(info.exc_value, KeyboardInterrupt) and received:
+            again = threading.Timer(0.05, _thread.interrupt_main, args=(received[0],))
+            again.daemon = True
+            again.start()
+            return
+        previous_hook(info)
+
+    saved = {}
+    try:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            saved[sig] = signal.signal(sig, handler)
+    except ValueError:  # not the main thread
+        pass
+    previous_hook = sys.unraisablehook
+    if saved:
+        sys.unraisablehook = unraisable
+    try:
+        yield received
+    finally:
+        for sig, old in saved.items():
+            signal.signal(sig, old)
+        if saved:
+            sys.unraisablehook = previous_hook
+
+
+def exit_status(received: list[int]) -> int:
+    """130 after SIGINT (or a ``KeyboardInterrupt`` raised otherwise), 143 after SIGTERM."""
+    return EXIT_TERMINATED if received and received[0] == signal.SIGTERM else EXIT_INTERRUPTED
+
+
+def keep_interrupted(interrupt: BaseException, result: Any, what: str, path: str | None,
+                     write: Callable[[str], None], detail: str = "") -> None:
+    """Say in one line what an interrupted command leaves: its best complete ``result`` written to ``path``, or nothing.
+
+    ``write(path)`` writes the result atomically; ``detail`` describes it
+    (status and gap). Marks ``interrupt`` as reported, so ``cli.main`` adds no line of its own.
+    """
+    err = console(stderr=True)
+    if result is None:
+        err.print(f"interrupted: no complete {what} yet; nothing written", soft_wrap=True, markup=False)
+    elif not path:
+        err.print(f"interrupted: best {what} so far ({detail}) not written (no output file given)", soft_wrap=True,
+                  markup=False)
+    else:
+        write(path)
+        err.print(f"interrupted: best {what} so far ({detail}) written to {path} with status interrupted",
+                  soft_wrap=True, markup=False)
+    interrupt.reported = True

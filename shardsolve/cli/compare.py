@@ -25,6 +25,7 @@ from shardsolve.cli.common import (
     check_output,
     console,
     ensure_host_devices,
+    keep_interrupted,
     ms,
     source_of,
     write_json,
@@ -32,7 +33,7 @@ from shardsolve.cli.common import (
 from shardsolve.compare import COLUMNS, Comparison, compare
 from shardsolve.explain import explain, explain_column, explain_conflicts
 from shardsolve.mesh import MeshSpec
-from shardsolve.model import load_model
+from shardsolve.model import Model, load_model
 from shardsolve.units import format_bytes
 
 
@@ -43,7 +44,8 @@ def add_parser(sub: Any) -> None:
         description="Compile FILE[:NAME] with GSPMD and Shardy propagation, shardsolve's plan and (if the model has "
         "one) its expert annotation, from the same annotations, and judge every compiled program with the one "
         "cost model: per-device FLOPs, memory and the collectives of the optimized HLO. Nothing runs; on a "
-        "machine with fewer devices than the mesh, fake CPU devices are used.",
+        "machine with fewer devices than the mesh, fake CPU devices are used. FILE is imported and run as Python "
+        "code: give only files you trust.",
     )
     add_model_arguments(p, annotations_help="which of the model's annotations every program gets (default: the "
                         "model's own)", memory_help="bytes per device for the plan and the 'fits' row, e.g. 16GiB")
@@ -61,11 +63,30 @@ def run(args: argparse.Namespace) -> int:
     out = console()
     check_output(args.output, "compare.json")
     check_output(args.plan_output, "plan.json")
+    try:
+        model, cmp = _compare(args, mesh)
+    except KeyboardInterrupt as interrupt:  # a comparison is complete only when every column is compiled
+        keep_interrupted(interrupt, None, "comparison", args.output, lambda path: None)
+        raise
+    title = f"{model.name or args.model} on {mesh} ({args.annotations} annotations)"
+    print_comparison(cmp, out, title=title)
+    if args.explain:
+        print_explanations(cmp, out, top=args.top)
+    if args.output:
+        write_json(args.output, cmp.to_json())
+        out.print(f"comparison written to [bold]{args.output}[/bold]")
+    if args.plan_output and cmp.plan is not None:
+        cmp.plan.save(args.plan_output)
+        out.print(f"plan written to [bold]{args.plan_output}[/bold]")
+    return 0
+
+
+def _compare(args: argparse.Namespace, mesh: MeshSpec) -> tuple[Model, Comparison]:
     with console(stderr=True).status("loading the model", spinner="dots") as status:
         model = load_model(args.model, args.size)
         in_sh, out_sh = annotations_of(model, args.annotations)
         columns = [c for c in COLUMNS if c != "expert" or not args.no_expert]
-        cmp = compare(
+        return model, compare(
             model.fun,
             *model.args,
             mesh=mesh,
@@ -80,17 +101,6 @@ def run(args: argparse.Namespace) -> int:
             source=str(source_of(args)),
             carry=model.carry,
         )
-    title = f"{model.name or args.model} on {mesh} ({args.annotations} annotations)"
-    print_comparison(cmp, out, title=title)
-    if args.explain:
-        print_explanations(cmp, out, top=args.top)
-    if args.output:
-        write_json(args.output, cmp.to_json())
-        out.print(f"comparison written to [bold]{args.output}[/bold]")
-    if args.plan_output and cmp.plan is not None:
-        cmp.plan.save(args.plan_output)
-        out.print(f"plan written to [bold]{args.plan_output}[/bold]")
-    return 0
 
 
 def print_comparison(cmp: Comparison, console: Console, title: str = "comparison") -> None:

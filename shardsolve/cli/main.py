@@ -7,18 +7,22 @@
     shardsolve iopddl ../shared/iopddl/asplos-2025-iopddl-B.json.gz --time-limit 60
 
 Bad input prints one line (``error: ...``) and exits with status 2; no
-traceback, and no partial output file.
+traceback, and no partial output file. SIGINT (Ctrl-C) or SIGTERM writes the
+best complete result so far, if there is one, with status ``interrupted``
+(atomically), says so in one line and exits with 130 (SIGINT) or 143 (SIGTERM).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 from typing import Sequence
 
 from rich.markup import escape
 
 from shardsolve.cli import compare, explain, iopddl, plan, verify
-from shardsolve.cli.common import EXIT_BAD_INPUT, EXIT_INTERRUPTED, console
+from shardsolve.cli.common import EXIT_BAD_INPUT, console, exit_status, interrupts
 from shardsolve.errors import ShardsolveError
 from shardsolve.version import __version__
 
@@ -43,11 +47,31 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return EXIT_BAD_INPUT
-    try:
-        return int(args.func(args) or 0)
-    except ShardsolveError as e:  # InfeasibleError included
-        console(stderr=True).print(f"[red]error:[/red] {escape(str(e))}", soft_wrap=True)
-        return EXIT_BAD_INPUT
-    except KeyboardInterrupt:
-        console(stderr=True).print("[red]interrupted[/red]")
-        return EXIT_INTERRUPTED
+    with interrupts() as received:
+        try:
+            return int(args.func(args) or 0)
+        except ShardsolveError as e:  # InfeasibleError included
+            console(stderr=True).print(f"[red]error:[/red] {escape(str(e))}", soft_wrap=True)
+            return EXIT_BAD_INPUT
+        except KeyboardInterrupt as e:  # SIGINT or SIGTERM: the command wrote its best result, if it had one
+            return _interrupted(e, received, program=argv is None)
+        except Exception as e:
+            if not received:
+                raise
+            # The interrupt turned into another error on its way out (it stopped a module's initialisation:
+            # "ImportError: initialization failed"): still an interrupt.
+            return _interrupted(e, received, program=argv is None)
+
+
+def _interrupted(e: BaseException, received: list[int], program: bool) -> int:
+    """Say what an interrupted command left (unless it did) and give its exit status."""
+    if not getattr(e, "reported", False):
+        console(stderr=True).print("interrupted: nothing written", markup=False)
+    status = exit_status(received)
+    if program:  # the ``shardsolve`` program itself, not a call from Python
+        # Interrupted mid-compile, XLA's threads can crash the interpreter's tear-down (SIGSEGV after
+        # the line above): everything is written, so leave without it.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
+    return status

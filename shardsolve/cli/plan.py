@@ -11,7 +11,8 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from shardsolve.cli.common import add_model_arguments, annotations_of, check_output, console, source_of
+from shardsolve.cli.common import add_model_arguments, annotations_of, check_output, console, keep_interrupted, source_of
+from shardsolve.errors import Interrupted
 from shardsolve.mesh import MeshSpec
 from shardsolve.model import load_model
 from shardsolve.plan import Plan
@@ -24,7 +25,9 @@ def add_parser(sub: Any) -> None:
         "plan",
         help="plan a model file's shardings",
         description="Trace FILE[:NAME] (a function returning shardsolve.Model; NAME defaults to the file's stem), "
-        "solve for the cheapest sharding of every value, print the plan and optionally write it as JSON.",
+        "solve for the cheapest sharding of every value, print the plan and optionally write it as JSON. "
+        "FILE is imported and run as Python code: give only files you trust (plan files are JSON, never run). "
+        "Ctrl-C or SIGTERM writes the best plan so far (status interrupted) to -o and exits 130 or 143.",
     )
     add_model_arguments(p, annotations_help="which of the model's annotations to pin (default: the model's own, "
                         "usually the batch only)", memory_help="bytes per device, e.g. 16GiB (default: no limit)")
@@ -43,10 +46,25 @@ def run(args: argparse.Namespace) -> int:
     out = console()
     mesh = MeshSpec.parse(args.mesh)
     check_output(args.output, "plan.json")
+    try:
+        plan = _make(args, mesh)
+    except Interrupted as interrupt:
+        best = interrupt.plan
+        keep_interrupted(interrupt, best, "plan", args.output, lambda path: best.save(path),
+                         "" if best is None else f"gap {best.gap:.2%}")
+        raise
+    print_plan(plan, out, top=args.top)
+    if args.output:
+        plan.save(args.output)
+        out.print(f"plan written to [bold]{args.output}[/bold]")
+    return 0
+
+
+def _make(args: argparse.Namespace, mesh: MeshSpec) -> Plan:
     with console(stderr=True).status("loading the model", spinner="dots") as status:
         model = load_model(args.model, args.size)
         in_sh, out_sh = annotations_of(model, args.annotations)
-        plan = make_plan(
+        return make_plan(
             model.fun,
             *model.args,
             mesh=mesh,
@@ -60,11 +78,6 @@ def run(args: argparse.Namespace) -> int:
             tie=not args.no_tie,
             logical_rules=args.logical_rules,
         )
-    print_plan(plan, out, top=args.top)
-    if args.output:
-        plan.save(args.output)
-        out.print(f"plan written to [bold]{args.output}[/bold]")
-    return 0
 
 
 def print_plan(plan: Plan, console: Console, top: int = 10) -> None:

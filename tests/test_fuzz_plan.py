@@ -1,0 +1,100 @@
+"""A deterministic slice of ``experiments/fuzz_plan.py``, and the failures fuzzing found, as regressions."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+from jax.sharding import PartitionSpec as P
+
+_PATH = Path(__file__).resolve().parents[1] / "experiments" / "fuzz_plan.py"
+_SPEC = importlib.util.spec_from_file_location("fuzz_plan", _PATH)
+fuzz_plan = importlib.util.module_from_spec(_SPEC)
+sys.modules["fuzz_plan"] = fuzz_plan
+_SPEC.loader.exec_module(fuzz_plan)
+
+SLICE = 12
+# Programs of the slice that fail for the bugs the xfail tests below name (mend them and drop them here).
+KNOWN = {
+    "ops=['reshape', 'gather', 'transpose', 'dynamic'] h=(6,12) mesh=x=4 h_spec=P('x',) w_specs=[] memory=6KiB "
+    "grad=False seed=1261",
+    "ops=['scan'] h=(16,12) mesh=a=2,b=2,c=2 h_spec=P(('a', 'b'),) w_specs=[P(None, 'c')] memory=1MiB grad=True "
+    "seed=41326",
+}
+
+
+def test_fuzz_slice_plans_runs_and_lowers_exactly():
+    results = fuzz_plan.fuzz(SLICE, start=0)
+    assert len(results) == SLICE
+    failed = {r.program.text: f"{r.outcome}: {r.detail.splitlines()[0]}" for r in results
+              if r.outcome not in ("ok", "infeasible", "refused")}
+    # a new failure fails here; the known ones are held to failing by the strict xfail tests below
+    assert set(failed) <= KNOWN, "\n".join(f"{k}: {v}" for k, v in failed.items() if k not in KNOWN)
+
+
+# The regressions give the solver a budget it never spends on these small problems (a proof comes first),
+# so the plan, and the failure, do not depend on the machine's load.
+def _program(ops, batch, width, mesh, h_spec, w_specs=(), memory=None, grad=False, seed=0):
+    return fuzz_plan.Program(tuple(ops), batch, width, mesh, h_spec, tuple(w_specs), memory, grad, seed)
+
+
+@pytest.mark.xfail(strict=True, reason="found by fuzz_plan: a gather then a data-dependent dynamic slice and update "
+                   "on 6 rows split over 4 devices: plan.jit() and lower() both differ from the unsharded function "
+                   "(lives in plan.jit / export and lower)")
+def test_uneven_gather_and_dynamic_update_through_plan_jit():
+    p = _program(["reshape", "gather", "transpose", "dynamic"], 6, 12, "x=4", P("x"), memory="6KiB", seed=1261)
+    r = fuzz_plan.run_one(p, time_limit=60)
+    assert r.outcome in ("ok", "infeasible", "refused"), r.detail
+
+
+@pytest.mark.xfail(strict=True, reason="found by fuzz_plan: the gradient of a scan on a 2x2x2 mesh lowers a "
+                   "reduce-scatter of 144 bytes where the plan predicts 192 (lives in schedule / lower)")
+def test_scan_gradient_reduce_scatter_bytes_as_predicted():
+    p = _program(["scan"], 16, 12, "a=2,b=2,c=2", P(("a", "b")), [P(None, "c")], memory="1MiB", grad=True,
+                 seed=41326)
+    r = fuzz_plan.run_one(p, time_limit=60)
+    assert r.outcome in ("ok", "infeasible", "refused"), r.detail
+
+
+@pytest.mark.xfail(strict=False, reason="(not strict: the failing plan is the one the solver finds in 10 s, "
+                   "unproven; a longer search finds another) found by fuzz_plan: the gradient of a reshape and a "
+                   "scan on a 2x2 mesh lowers half the all-gather bytes over (a, b) that the plan predicts (lives in schedule / lower)")
+def test_reshape_scan_gradient_all_gather_bytes_as_predicted():
+    p = _program(["reshape", "scan", "sin_mul"], 12, 16, "a=2,b=2", None, [None], memory="6KiB", grad=True)
+    r = fuzz_plan.run_one(p, time_limit=10)
+    assert r.outcome in ("ok", "infeasible", "refused"), r.detail
+
+
+@pytest.mark.xfail(strict=False, reason="(not strict: the failing plan is the one the solver finds in 10 s, "
+                   "unproven; a longer search finds another) found by fuzz_plan: the gradient of two scans around "
+                   "custom_jvp/custom_vjp on 8 devices lowers 2048 reduce-scatter bytes where the plan predicts 2112 (schedule / lower)")
+def test_scans_around_custom_derivatives_gradient_bytes_as_predicted():
+    p = _program(["scan", "custom_jvp", "custom_vjp", "scan"], 16, 16, "x=8", P("x"), [None, None], memory="6KiB",
+                 grad=True)
+    r = fuzz_plan.run_one(p, time_limit=10)
+    assert r.outcome in ("ok", "infeasible", "refused"), r.detail
+
+
+@pytest.mark.xfail(strict=True, reason="found by fuzz_plan: a dynamic slice and update at an odd, data-dependent "
+                   "row on 8 rows split over 8 devices: plan.jit() and lower() agree with each other, not with the "
+                   "unsharded function (export / lower)")
+def test_dynamic_slice_at_an_odd_row_matches_unsharded():
+    r = fuzz_plan.run_one(_program(["dynamic"], 8, 8, "x=8", P("x"), seed=1), time_limit=60)
+    assert r.outcome == "ok", r.detail
+
+
+@pytest.mark.xfail(strict=True, reason="found by fuzz_plan: a dynamic slice of 8x6 rows split over a 4x2 mesh "
+                   "builds an HLO XLA's verifier rejects ('Slice dim size 4 greater than dynamic slice dimension: "
+                   "1'): the slice of a split dimension (export / lower)")
+def test_dynamic_slice_of_a_finely_split_dimension_compiles():
+    r = fuzz_plan.run_one(_program(["dynamic"], 8, 6, "a=4,b=2", P(("a", "b")), memory="1MiB"), time_limit=60)
+    assert r.outcome == "ok", r.detail
+
+
+@pytest.mark.xfail(strict=True, reason="found by fuzz_plan: a scan over 16x6 rows split over (a, b) predicts a "
+                   "24-byte reduce-scatter over a that the lowered program does not run (schedule / lower)")
+def test_scan_over_rows_split_two_ways_runs_its_predicted_collectives():
+    r = fuzz_plan.run_one(_program(["scan"], 16, 6, "a=2,b=4", P(("a", "b")), [None]), time_limit=60)
+    assert r.outcome == "ok", r.detail
