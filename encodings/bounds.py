@@ -25,7 +25,7 @@ where the LP is too big. ``trws_decode`` reads an assignment off its messages
 (each node, in order, at its best given the nodes before it and the messages
 of those after); ``solve`` repairs such decodings into warm starts.
 
-**LP bound** (GLOP), for moderate sizes: the local marginal polytope with the
+**LP bound** (HiGHS), for moderate sizes: the local marginal polytope with the
 memory constraints kept::
 
     min  sum c_i(s) x_is + sum C_uv(a, b) y_uvab
@@ -37,9 +37,8 @@ only when solved to optimality; we return ``-inf`` otherwise. To stay certified
 against floating-point error the LP value is reduced by a tiny relative margin.
 
 The LP is built with numpy as one sparse matrix and solved by HiGHS (dual
-simplex, through scipy, which JAX already requires); GLOP (through
-``pywraplp``, one Python call per term: seconds on 200k pairs) remains as
-``backend="GLOP"``. Costs are normalised first (the largest finite entry above
+simplex, through scipy, which JAX already requires; GLOP through ``pywraplp``
+took seconds on 200k pairs, one Python call per term). Costs are normalised first (the largest finite entry above
 each node's and edge's minimum becomes 1): solver tolerances are absolute, and
 planner costs are seconds (1e-11 .. 1e-2), far below them. Margins are
 relative to the problem's own cost scale, never to 1.
@@ -52,14 +51,12 @@ import time
 
 import numpy as np
 
-from shardsolve.encodings.heuristics import Flat
+from shardsolve.encodings.flat import Flat
 
-__all__ = ["trivial_bound", "dual_bound", "trws_bound", "trws_decode", "lp_bound", "lp_relaxation", "lower_bound"]
+__all__ = ["trivial_bound", "dual_bound", "trws_bound", "trws_decode", "lp_solve", "lp_bound"]
 
 #: LP bounds are only attempted up to this many pair variables.
 LP_MAX_PAIRS = 300_000
-#: GLOP settings (text format of ``operations_research.glop.GlopParameters``).
-GLOP_PARAMETERS = "use_dual_simplex: true"
 
 
 def _finite_part(a: np.ndarray, big: float) -> np.ndarray:
@@ -250,11 +247,6 @@ def trws_decode(flat, costs, tables, to_u, to_v) -> np.ndarray:
     return x
 
 
-def lp_bound(flat: Flat, time_limit: float = 10.0) -> float:
-    """Local-polytope LP bound with memory constraints (GLOP); ``-inf`` when not solved to optimality."""
-    return lp_relaxation(flat, time_limit)[0]
-
-
 def lp_solve(flat: Flat, time_limit: float = 10.0) -> tuple[float, float, list[np.ndarray] | None]:
     """The local-polytope LP with memory, vectorised, solved by HiGHS.
 
@@ -344,87 +336,10 @@ def lp_solve(flat: Flat, time_limit: float = 10.0) -> tuple[float, float, list[n
     return value, margin, marginals
 
 
-def lp_relaxation(flat: Flat, time_limit: float = 10.0, backend: str = "HIGHS") -> tuple[float, list[np.ndarray] | None]:
-    """The LP bound and the fractional node marginals ``x_is`` (``None`` when not solved).
-
-    ``backend="PDLP"`` (first-order, for big LPs) gives approximate marginals
-    only: its value is not returned as a bound (``-inf``).
-    """
-    pairs = sum(int(np.isfinite(t).sum()) for t in flat.tables)
-    if pairs > LP_MAX_PAIRS:
-        return -math.inf, None
-    if backend == "HIGHS":
-        value, margin, marginals = lp_solve(flat, time_limit)
-        return (value - margin if math.isfinite(value) else value), marginals
-    from ortools.linear_solver import pywraplp
-
-    solver = pywraplp.Solver.CreateSolver(backend)
-    if solver is None:
-        return -math.inf, None
-    solver.SetTimeLimit(int(time_limit * 1000))
-    if backend == "GLOP":
-        solver.SetSolverSpecificParametersAsString(GLOP_PARAMETERS)
-    inf = solver.infinity()
-    x = []
-    objective = solver.Objective()
-    offset = 0.0
-    for i, c in enumerate(flat.costs):
-        low = float(c[np.isfinite(c)].min()) if np.isfinite(c).any() else 0.0
-        offset += low
-        xs = []
-        for s, cost in enumerate(c):
-            var = solver.NumVar(0.0, 1.0 if np.isfinite(cost) else 0.0, "")
-            if np.isfinite(cost) and cost != low:
-                objective.SetCoefficient(var, float(cost - low))
-            xs.append(var)
-        solver.Add(solver.Sum(xs) == 1)
-        x.append(xs)
-    for k, t in enumerate(flat.tables):
-        u, v = int(flat.eu[k]), int(flat.ev[k])
-        finite = np.isfinite(t)
-        low = float(t[finite].min()) if finite.any() else 0.0
-        offset += low
-        row_terms: list[list] = [[] for _ in range(t.shape[0])]
-        col_terms: list[list] = [[] for _ in range(t.shape[1])]
-        for a, b in zip(*np.nonzero(finite)):
-            y = solver.NumVar(0.0, 1.0, "")
-            if t[a, b] != low:
-                objective.SetCoefficient(y, float(t[a, b] - low))
-            row_terms[a].append(y)
-            col_terms[b].append(y)
-        for a, terms in enumerate(row_terms):
-            solver.Add(solver.Sum(terms) == x[u][a] if terms else x[u][a] == 0)
-        for b, terms in enumerate(col_terms):
-            solver.Add(solver.Sum(terms) == x[v][b] if terms else x[v][b] == 0)
-    for t in flat.binding:
-        live = flat.live(t)
-        ct = solver.Constraint(-inf, float(flat.capacity[t]))
-        for i in live:
-            for s, use in enumerate(flat.usages[i]):
-                if use:
-                    ct.SetCoefficient(x[i][s], float(use))
-    objective.SetMinimization()
-    status = solver.Solve()
-    if status == pywraplp.Solver.INFEASIBLE and backend == "GLOP":
-        return math.inf, None
-    if backend != "GLOP":
-        if status not in (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE, pywraplp.Solver.NOT_SOLVED):
-            return -math.inf, None
-        try:
-            return -math.inf, [np.array([v.solution_value() for v in xs]) for xs in x]
-        except Exception:  # no primal iterate available
-            return -math.inf, None
-    if status != pywraplp.Solver.OPTIMAL:
-        return -math.inf, None
-    value = offset + objective.Value()
-    marginals = [np.array([v.solution_value() for v in xs]) for xs in x]
-    return value - 1e-7 * max(1.0, abs(value)), marginals
-
-
-def lower_bound(flat: Flat, *, iterations: int = 20, lp_time_limit: float | None = 10.0) -> float:
-    """The best of the trivial, dual and (when small enough) LP bounds."""
-    best = trivial_bound(flat)
-    best = max(best, dual_bound(flat, iterations))
-    if lp_time_limit is not None and lp_time_limit > 0:
-        best = max(best, lp_bound(flat, lp_time_limit))
-    return best
+def lp_bound(flat: Flat, time_limit: float = 10.0) -> float:
+    """The certified LP bound (``lp_solve``'s value less its margin); ``-inf`` when not solved to optimality
+    or above ``LP_MAX_PAIRS`` pair variables, ``inf`` when the LP is infeasible."""
+    if sum(int(np.isfinite(t).sum()) for t in flat.tables) > LP_MAX_PAIRS:
+        return -math.inf
+    value, margin, _ = lp_solve(flat, time_limit)
+    return value - margin if math.isfinite(value) else value

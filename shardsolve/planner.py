@@ -23,6 +23,7 @@ import numpy as np
 import shardsolve.encodings as encodings
 from shardsolve.annotations import argument_pins, carry_pairs, output_pins
 from shardsolve.build import BuildOptions, Built, build_problem
+from shardsolve.encodings.tying import solve_tied
 from shardsolve.errors import InfeasibleError, ShardsolveError
 from shardsolve.graph import Graph, Lit
 from shardsolve.mesh import MeshSpec, as_mesh_spec
@@ -30,7 +31,6 @@ from shardsolve.plan import Cost, OpPlan, Plan, Signature, predicted_collectives
 from shardsolve.schedule import build_schedule
 from shardsolve.sharding import Sharding
 from shardsolve.trace import trace
-from shardsolve.tying import solve_tied
 from shardsolve.units import format_bytes, parse_memory_limit
 
 # -- solution -> plan --------------------------------------------------------

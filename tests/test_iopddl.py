@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from shardsolve.errors import ShardsolveError
-from shardsolve.iopddl import problem_from_json, read_iopddl, run, solution_to_json, write_iopddl
+from shardsolve.cli.iopddl import solve_instance
+from shardsolve.iopddl import problem_from_json, read_iopddl, solution_to_json, write_iopddl
 from shardsolve.problem import FORBIDDEN, Edge, Node, Pin, Problem, Solution
 
 IOPDDL_DIR = Path(__file__).resolve().parents[2] / "shared" / "iopddl"
@@ -159,7 +160,7 @@ def test_run_writes_answer_atomically(tmp_path):
     src = write_json(tmp_path, example())
     out = tmp_path / "answer.json"
     console = Console(file=open(tmp_path / "log.txt", "w"), width=100)
-    assert run(src, time_limit=1.0, out=out, console=console) == 0
+    assert solve_instance(src, time_limit=1.0, out=out, console=console) == 0
     answer = json.loads(out.read_text())
     assert answer["status"] == "optimal"
     p = read_iopddl(src)
@@ -174,5 +175,5 @@ def test_run_reports_infeasible(tmp_path):
 
     console = Console(file=open(tmp_path / "log.txt", "w"), width=100)
     out = tmp_path / "answer.json"
-    assert run(write_json(tmp_path, data), time_limit=1.0, out=out, console=console) == 1
+    assert solve_instance(write_json(tmp_path, data), time_limit=1.0, out=out, console=console) == 1
     assert json.loads(out.read_text())["status"] == "infeasible"

@@ -1,4 +1,4 @@
-"""``shardsolve iopddl FILE``: solve one IOPDDL contest instance (``shardsolve.iopddl.run`` does the work).
+"""``shardsolve iopddl FILE``: solve one IOPDDL contest instance, show cost, bound and gap, write the answer.
 
     shardsolve iopddl ../shared/iopddl/asplos-2025-iopddl-B.json.gz --time-limit 60 --out solution.json
 """
@@ -6,10 +6,23 @@
 from __future__ import annotations
 
 import argparse
+import json
+import math
+import os
+import time
+from pathlib import Path
 from typing import Any
 
-from shardsolve.cli.common import console
-from shardsolve.iopddl import run as solve_instance
+from rich.console import Console
+from rich.table import Table
+
+from shardsolve.cli.common import console as make_console
+from shardsolve.encodings import solve
+from shardsolve.files import write_atomically
+from shardsolve.iopddl import read_iopddl, solution_to_json
+
+#: Seconds of search when ``--time-limit`` is not given.
+DEFAULT_TIME_LIMIT = 60.0
 
 
 def add_parser(sub: Any) -> None:
@@ -20,10 +33,56 @@ def add_parser(sub: Any) -> None:
         "print its cost, best lower bound and gap.",
     )
     p.add_argument("file", help="instance file")
-    p.add_argument("--time-limit", type=float, default=60.0, help="seconds (default: 60)")
+    p.add_argument("--time-limit", type=float, default=DEFAULT_TIME_LIMIT, help="seconds (default: 60)")
     p.add_argument("--out", help="write {solution, cost, lower_bound, status} as JSON to this file")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    return solve_instance(args.file, time_limit=args.time_limit, out=args.out, console=console())
+    return solve_instance(args.file, time_limit=args.time_limit, out=args.out, console=make_console())
+
+
+def solve_instance(path: str | os.PathLike, time_limit: float | None = None, out: str | os.PathLike | None = None,
+                   console: Console | None = None) -> int:
+    """Solve one contest instance and print cost, lower bound and gap.
+
+    Arguments: ``path`` the instance (``.json`` or ``.json.gz``); ``time_limit``
+    seconds for the search (``None``: 60); ``out`` where to write the answer JSON
+    (see :func:`shardsolve.iopddl.solution_to_json`; written atomically), or
+    ``None``; ``console`` a ``rich.console.Console`` (a new one when ``None``).
+
+    Returns the exit status: 0 when a valid solution was found, 1 when none was
+    (infeasible or out of time); bad input raises ``ShardsolveError`` (the CLI
+    prints its one-line message and exits with 2).
+    """
+    console = console or Console()
+    started = time.perf_counter()
+    problem = read_iopddl(path)
+    console.print(
+        f"[bold]{Path(path).name}[/]: {len(problem.nodes):,} nodes, {len(problem.edges):,} edges, "
+        f"{problem.num_strategies:,} strategies, usage limit {problem.usage_limit if problem.usage_limit is not None else 'none'}"
+    )
+    limit = DEFAULT_TIME_LIMIT if time_limit is None else float(time_limit)
+    with console.status("solving", spinner="dots") as status:
+
+        def progress(message: str, best: float, bound: float) -> None:
+            gap = f"{(best - bound) / best:.2%}" if math.isfinite(best) and best > 0 else "-"
+            status.update(f"{message}: cost {best:,.0f}, bound {bound:,.0f}, gap {gap}  [{time.perf_counter() - started:.0f}s]")
+
+        solution = solve(problem, time_limit=limit, progress=progress)
+    cost = problem.evaluate(solution.assignment) if solution.assignment else math.inf
+    table = Table(show_header=False)
+    table.add_row("status", solution.status)
+    table.add_row("cost", f"{cost:,.0f}" if math.isfinite(cost) else "no valid solution")
+    table.add_row("lower bound", f"{solution.lower_bound:,.0f}")
+    table.add_row("gap", f"{solution.gap:.3%}" if math.isfinite(solution.gap) else "-")
+    table.add_row("time", f"{time.perf_counter() - started:.1f} s")
+    if solution.conflict:
+        table.add_row("conflict", ", ".join(solution.conflict))
+    console.print(table)
+    if out is not None:
+        payload = json.dumps(solution_to_json(problem, solution), indent=None).encode()
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        write_atomically(Path(out), payload)
+        console.print(f"wrote {out}")
+    return 0 if math.isfinite(cost) else 1
