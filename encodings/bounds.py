@@ -32,9 +32,10 @@ memory constraints kept::
     s.t. sum_s x_is = 1,   sum_b y_uvab = x_ua,   sum_a y_uvab = x_vb,
          sum_{i live in t} sum_s du_is x_is <= cap_t,   x, y in [0, 1]
 
-Forbidden entries are fixed to 0 in the LP. The LP optimum is a valid bound
-only when solved to optimality; we return ``-inf`` otherwise. To stay certified
-against floating-point error the LP value is reduced by a tiny relative margin.
+Forbidden entries are fixed to 0 in the LP. The bound is certified from the
+solver's duals (``dual_certificate``: the Lagrangian of any duals is a valid
+bound, whatever the solver's tolerances), less a tiny relative margin for
+floating point; ``-inf`` when the LP was not solved.
 
 The LP is built with numpy as one sparse matrix and solved by HiGHS (dual
 simplex, through scipy, which JAX already requires; GLOP through ``pywraplp``
@@ -282,6 +283,7 @@ def lp_solve(flat: Flat, time_limit: float = 10.0) -> tuple[float, float, list[n
     vals.append(np.ones(nx))
     n_rows = n
     ny = 0
+    pair_counts: list[int] = []  # pair variables per edge (each edge's block sums to 1)
     for k, t in enumerate(flat.tables):
         u, v = int(flat.eu[k]), int(flat.ev[k])
         finite = np.isfinite(t)
@@ -293,6 +295,7 @@ def lp_solve(flat: Flat, time_limit: float = 10.0) -> tuple[float, float, list[n
         unit = max(unit, float(d.max(initial=0.0)))
         yid = nx + ny + np.arange(m)
         ny += m
+        pair_counts.append(m)
         c_parts.append(d)
         ub_parts.append(np.ones(m))
         sa, sb = t.shape
@@ -323,17 +326,69 @@ def lp_solve(flat: Flat, time_limit: float = 10.0) -> tuple[float, float, list[n
                               (np.concatenate(mr) if mr else np.zeros(0, int), np.concatenate(mc) if mc else np.zeros(0, int))),
                              shape=(len(flat.binding), nx + ny))
         b_ub = np.array(caps) / scale_mem
+    # Exact steepest-edge pricing: HiGHS's default starts so and may switch to Devex on measured cost,
+    # which makes the returned vertex (of several optimal ones) vary from run to run.
     res = linprog(cost, A_ub=a_ub, b_ub=b_ub, A_eq=a_eq, b_eq=b_eq, bounds=np.stack([np.zeros(nx + ny), ub], axis=1),
-                  method="highs-ds", options={"time_limit": float(time_limit), "presolve": True})
+                  method="highs-ds", options={"time_limit": float(time_limit), "presolve": True,
+                                              "simplex_dual_edge_weight_strategy": "steepest"})
     if res.status == 2:
         return math.inf, 0.0, None
     if res.status != 0 or res.x is None:
         return -math.inf, 0.0, None
     value = offset + unit * float(res.fun)
-    # HiGHS's tolerances (1e-7) are on the normalised costs: allow that much per node, relative.
-    margin = 1e-7 * unit * (abs(float(res.fun)) + n) + 1e-12 * abs(offset)
+    blocks = np.concatenate([x_off[:-1], nx + np.concatenate([[0], np.cumsum(pair_counts)[:-1]])]).astype(np.int64)
+    certified = dual_certificate(res, cost, ub, a_eq, b_eq, a_ub, b_ub, blocks)
+    if certified is None:
+        # no duals: HiGHS's tolerances (1e-7) are on the normalised costs, allow that much per node, relative
+        margin = 1e-7 * unit * (abs(float(res.fun)) + n) + 1e-12 * abs(offset)
+    else:
+        margin = value - (offset + unit * certified) + 1e-12 * abs(offset)
     marginals = [np.clip(res.x[x_off[i]:x_off[i + 1]], 0.0, 1.0) for i in range(n)]
     return value, margin, marginals
+
+
+def dual_certificate(res, cost: np.ndarray, ub: np.ndarray, a_eq, b_eq: np.ndarray, a_ub, b_ub,
+                     blocks: np.ndarray) -> float | None:
+    """A lower bound of the local-polytope LP (hence of the problem) from the LP solver's duals.
+
+    Any duals ``y`` (``y_ub <= 0``) give reduced costs
+    ``r = cost - a_eq^T y_eq - a_ub^T y_ub``, and for every feasible ``x``
+    ``cost.x = b_eq.y_eq + b_ub.y_ub + r.x - y_ub.(b_ub - a_ub x) >= b_eq.y_eq + b_ub.y_ub + r.x``.
+    The variables come in ``blocks`` (a node's strategies, an edge's pairs,
+    starting at the given indices) that each sum to 1, so
+    ``r.x >= sum over blocks of the least r`` of the block's allowed
+    variables. The bound holds whatever the solver's tolerances were; a
+    relative ``1e-12`` of the magnitudes summed is taken off for floating
+    point. ``None`` without usable duals.
+    """
+    try:
+        y_eq = np.asarray(res.eqlin.marginals, dtype=np.float64)
+        y_ub = np.minimum(np.asarray(res.ineqlin.marginals, dtype=np.float64), 0.0) if a_ub is not None else None
+    except AttributeError:
+        return None
+    if y_eq.shape != b_eq.shape or not np.isfinite(y_eq).all():
+        return None
+    reduced = cost - a_eq.T @ y_eq
+    size = np.abs(cost) + abs(a_eq).T @ np.abs(y_eq)  # magnitude of each reduced cost's terms
+    total = float(b_eq @ y_eq)
+    scale = float(np.abs(b_eq) @ np.abs(y_eq))
+    if y_ub is not None:
+        if y_ub.shape != b_ub.shape or not np.isfinite(y_ub).all():
+            return None
+        reduced = reduced - a_ub.T @ y_ub
+        size = size + abs(a_ub).T @ np.abs(y_ub)
+        total += float(b_ub @ y_ub)
+        scale += float(np.abs(b_ub) @ np.abs(y_ub))
+    blocks = blocks[np.diff(np.append(blocks, len(cost))) > 0]  # an edge without finite pairs has no block
+    if not len(blocks):
+        return total - 1e-12 * scale
+    allowed = np.where(ub > 0, reduced, np.inf)
+    least = np.minimum.reduceat(allowed, blocks)
+    if not np.isfinite(least).all():
+        return None  # a block with nothing allowed: the LP is infeasible, the solver says so
+    total += float(least.sum())
+    scale += float(np.maximum.reduceat(size, blocks).sum())
+    return total - 1e-12 * scale
 
 
 def lp_bound(flat: Flat, time_limit: float = 10.0) -> float:

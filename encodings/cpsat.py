@@ -53,7 +53,7 @@ from ortools.sat.python import cp_model
 
 from shardsolve.encodings.flat import Flat, evaluate, prune
 
-__all__ = ["CpSatResult", "CpSatEncoding", "solve_cpsat", "solve_neighbourhood", "reduce_table"]
+__all__ = ["CpSatResult", "CpSatEncoding", "solve_cpsat", "solve_neighbourhood", "solve_feasibility", "reduce_table"]
 
 #: The reference cost maps to about this many integer units. Larger scales (1e12)
 #: made CP-SAT 9.15's presolve return a wrong "optimal" on small random models
@@ -69,6 +69,11 @@ CHARGE_PER_TERM = 5e-6
 NEIGHBOURHOOD_FACTOR = 3.0
 #: Deterministic charge (seconds) per neighbourhood, whatever its size.
 CHARGE_PER_STEP = 0.005
+#: A neighbourhood solve's own wall-clock net: this multiple of its deterministic limit plus a few
+#: seconds (capped by the caller's net). Generous, so that load on the machine does not cut a solve
+#: (which would make the search depend on the load).
+NEIGHBOURHOOD_WALL_FACTOR = 10.0
+NEIGHBOURHOOD_WALL_EXTRA = 5.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,7 +116,7 @@ def _integral_usage(flat: Flat) -> tuple[list[np.ndarray], np.ndarray]:
 class CpSatEncoding:
     """Builds the CP-SAT model for a :class:`Flat` problem, one method per constraint family."""
 
-    def __init__(self, flat: Flat, reference_cost: float):
+    def __init__(self, flat: Flat, reference_cost: float, *, objective: bool = True):
         self.flat = flat
         self.model = cp_model.CpModel()
         self.x: list[list[cp_model.IntVar]] = []
@@ -127,9 +132,11 @@ class CpSatEncoding:
         self.split_edge_tables()
         self.choose_scale()
         self.add_forbidden_pairs()
-        self.add_edge_costs()
+        if objective:  # else a feasibility model: forbidden pairs and memory only
+            self.add_edge_costs()
         self.add_memory_limit()
-        self.add_objective()
+        if objective:
+            self.add_objective()
 
     # -- variables -------------------------------------------------------------------
 
@@ -351,26 +358,41 @@ def solve_cpsat(
     return CpSatResult(None, math.inf, bound, "unknown", stats)
 
 
-def solve_neighbourhood(flat: Flat, hint: np.ndarray, limit: float, seed: int) -> tuple[np.ndarray | None, float, bool, float]:
-    """Solve a (sub)problem from a hint, which may be infeasible.
-
-    Returns (assignment or None, its cost, proven optimal, deterministic work charged).
-    """
-    full = flat
-    flat, maps = prune(flat)
-    hint = np.array([int(np.flatnonzero(m == h)[0]) if (m == h).any() else int(np.argmin(flat.costs[i]))
-                     for i, (m, h) in enumerate(zip(maps, hint))], dtype=np.int64)
-    hint_cost = evaluate(flat, hint)
-    encoding = CpSatEncoding(flat, hint_cost)
-    encoding.add_hint(hint)
+def _neighbourhood_solver(limit: float, seed: int, wall_limit: float | None) -> cp_model.CpSolver:
+    """One worker, a deterministic limit, and a wall-clock net (``wall_limit`` caps it: the caller's net)."""
     solver = cp_model.CpSolver()
     params = solver.parameters
     params.random_seed = int(seed)
     params.num_workers = 1
     params.max_deterministic_time = float(limit)
-    params.max_time_in_seconds = WALL_FACTOR * float(limit) + 1.0
+    net = NEIGHBOURHOOD_WALL_FACTOR * float(limit) + NEIGHBOURHOOD_WALL_EXTRA
+    params.max_time_in_seconds = net if wall_limit is None else max(0.05, min(net, float(wall_limit)))
     params.symmetry_level = 0
     params.linearization_level = 0  # the LP relaxation costs more wall time than it saves on small neighbourhoods
+    return solver
+
+
+def _pruned_hint(flat: Flat, maps: tuple[np.ndarray, ...], hint: np.ndarray) -> np.ndarray:
+    """``hint`` in the pruned strategy indices (a pruned-away choice becomes the node's cheapest)."""
+    return np.array([int(np.flatnonzero(m == h)[0]) if (m == h).any() else int(np.argmin(flat.costs[i]))
+                     for i, (m, h) in enumerate(zip(maps, hint))], dtype=np.int64)
+
+
+def solve_neighbourhood(flat: Flat, hint: np.ndarray, limit: float, seed: int,
+                        wall_limit: float | None = None) -> tuple[np.ndarray | None, float, bool, float]:
+    """Solve a (sub)problem from a hint, which may be infeasible.
+
+    ``limit`` is CP-SAT's deterministic time; ``wall_limit`` the caller's
+    wall-clock net (seconds left), when it has one. Returns (assignment or
+    None, its cost, proven optimal, deterministic work charged).
+    """
+    full = flat
+    flat, maps = prune(flat)
+    hint = _pruned_hint(flat, maps, hint)
+    hint_cost = evaluate(flat, hint)
+    encoding = CpSatEncoding(flat, hint_cost)
+    encoding.add_hint(hint)
+    solver = _neighbourhood_solver(limit, seed, wall_limit)
     status = solver.solve(encoding.model)
     used = NEIGHBOURHOOD_FACTOR * solver.deterministic_time + CHARGE_PER_STEP + CHARGE_PER_TERM * encoding.size
     if status in (cp_model.OPTIMAL, cp_model.FEASIBLE):
@@ -379,3 +401,26 @@ def solve_neighbourhood(flat: Flat, hint: np.ndarray, limit: float, seed: int) -
         return x, evaluate(full, x), status == cp_model.OPTIMAL, used
     return None, math.inf, False, used
 
+
+def solve_feasibility(flat: Flat, hint: np.ndarray, limit: float, seed: int,
+                      wall_limit: float | None = None) -> tuple[np.ndarray | None, str, float]:
+    """Any assignment that satisfies forbidden pairs and memory: CP-SAT without objective, pruned domains.
+
+    ``hint`` (e.g. least usage after a repair that left some forbidden
+    pairs) guides the search and is repaired (``repair_hint``). Returns
+    (assignment or None, CP-SAT's status name, deterministic work charged):
+    ``"INFEASIBLE"`` is a proof that no valid assignment exists.
+    """
+    full = flat
+    flat, maps = prune(flat)
+    encoding = CpSatEncoding(flat, math.inf, objective=False)
+    encoding.add_hint(_pruned_hint(flat, maps, hint))
+    solver = _neighbourhood_solver(limit, seed, wall_limit)
+    solver.parameters.repair_hint = True
+    status = solver.solve(encoding.model)
+    used = solver.deterministic_time + CHARGE_PER_STEP + CHARGE_PER_TERM * encoding.size
+    if status in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        x = np.array([m[s] for m, s in zip(maps, encoding.decode(solver))], dtype=np.int64)
+        if math.isfinite(evaluate(full, x)):
+            return x, solver.status_name(status), used
+    return None, solver.status_name(status), used

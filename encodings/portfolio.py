@@ -215,25 +215,36 @@ class Portfolio:
             if not math.isfinite(evaluate(flat, x)):
                 return self.infeasible()
             return self.finish(self.reduced.lift(x), "optimal", -math.inf)
-        done = self.lp_relaxation()
+        done = self.phase("lp", self.lp_relaxation)
         if done is not None:
             return done
         if self.decision <= TINY_NODES:
-            return self.solve_tiny()
-        self.warm_starts()
+            return self.phase("whole model", self.solve_tiny)
+        self.phase("starts", self.warm_starts)
         if self.best_x is None:
-            self.find_feasible()
-        if self.best_x is not None:
-            self.report("warm start", self.best_cost + self.offset, self.bound + self.offset)
-        done = self.solve_whole()
+            done = self.phase("feasibility", self.find_feasible)
+            if done is not None:
+                return done
+        done = self.phase("whole model", self.solve_whole)
         if done is not None:
             return done
         if self.best_x is None:
             return self.finish(None, "unknown", self.bound + self.offset)
         if self.guide is None:
-            self.certify()
-        self.improve()
+            self.phase("bounds", self.certify)
+        self.phase("search", self.improve)
         return self.finish(self.reduced.lift(self.best_x), "feasible", self.bound + self.offset)
+
+    def phase(self, name: str, step: Callable[[], Solution | None]) -> Solution | None:
+        """Run one phase; its wall time and deterministic work go to ``stats["phases"]``, progress is reported."""
+        wall, work = time.perf_counter(), self.budget
+        done = step()
+        spent = self.stats.setdefault("phases", {}).setdefault(name, {"wall_s": 0.0, "work_s": 0.0})
+        spent["wall_s"] = round(spent["wall_s"] + time.perf_counter() - wall, 3)
+        spent["work_s"] = round(spent["work_s"] + max(0.0, work - self.budget), 3)
+        if done is None:
+            self.report(name, self.best_cost + self.offset, self.bound + self.offset)
+        return done
 
     def lp_relaxation(self) -> Solution | None:
         """Moderate sizes: the LP with memory, a bound and a guide for the search; optimal when integral.
@@ -259,8 +270,8 @@ class Portfolio:
         integral = all(float(np.max(m)) >= 1.0 - 1e-6 for m in marginals)
         if integral:
             c_guide = evaluate(flat, guide)
-            # An integral LP optimum whose exact cost is the LP value: optimal (to the LP's tolerance).
-            if c_guide <= lp_value + 1e-9 * abs(c_guide):
+            # An integral LP solution whose exact cost meets the certified bound: optimal.
+            if c_guide <= lp_value - lp_margin + 1e-9 * abs(c_guide):
                 stats["proof"] = "integral LP"
                 return self.finish(self.reduced.lift(guide), "optimal", self.bound + self.offset)
         return None
@@ -289,7 +300,7 @@ class Portfolio:
             stats["warm_start_cost"] = c0 + self.offset if math.isfinite(c0) else None
             if self.guide is None:
                 # no LP to round: TRW-S decodings (memory penalised, then repaired) as further starts
-                x_t, c_t, used = search.trws_starts(flat, c0, self.seed)
+                x_t, c_t, used = search.trws_starts(flat, c0, self.seed, self.wall_left())
                 self.budget -= used
                 self.consider(x_t, c_t)
                 stats["trws_start_cost"] = c_t + self.offset if math.isfinite(c_t) else None
@@ -306,7 +317,8 @@ class Portfolio:
         free_idx = np.array(sorted(free), dtype=np.int64)
         if len(free_idx):
             sub = subproblem(flat, free_idx, guide)
-            y, _, _, used = cpsat.solve_neighbourhood(sub, guide[free_idx], min(0.2 * self.budget, 20.0), self.seed)
+            y, _, _, used = cpsat.solve_neighbourhood(sub, guide[free_idx], min(0.2 * self.budget, 20.0), self.seed,
+                                                      self.wall_left())
             self.budget -= used
             if y is not None:
                 x_r = guide.copy()
@@ -316,34 +328,44 @@ class Portfolio:
             self.consider(guide, evaluate(flat, guide))
         self.stats["lp_rounding_free_nodes"] = int(len(free_idx))
 
-    def find_feasible(self) -> None:
+    def find_feasible(self) -> Solution | None:
         """A valid start when no start is: least usage, then the forbidden pairs removed.
 
         Least usage always fits memory but may break forbidden pairs. ICM on the
         softened problem (forbidden pairs at a finite penalty) removes most of them;
         forbidden pairs only couple nodes within a component of forbidden-bearing
-        edges, so each component still holding one is then solved exactly on its own.
+        edges, so each component still holding one is then solved exactly on its own,
+        and LNS on the softened problem takes what is left. When even that leaves
+        a forbidden pair, CP-SAT searches for any valid assignment (no objective,
+        pruned domains) from there, and may prove there is none.
         """
         flat, stats, seed = self.flat, self.stats, self.seed
         soft, penalty = softened(flat)
         start = heuristics.icm(soft, heuristics.least_usage(flat), sweeps=3)
         self.budget -= 3 * CHARGE_PER_ITEM * (flat.n + len(flat.tables))
         start, used, repair_stats = search.repair_forbidden(
-            flat, start, budget=0.5 * self.budget, seed=seed,
-            wall_limit=0.5 * (self.wall_limit - (time.perf_counter() - self.started)),
+            flat, start, budget=0.5 * self.budget, seed=seed, wall_limit=self.wall_left(),
         )
         self.budget -= used
         stats.update(repair_stats)
         if repair_stats["repair_left"]:
             # what is left (memory too tight around a component): search the softened problem
             x_soft, c_soft, soft_stats = search.lns(
-                soft, start, budget=0.5 * self.budget, seed=seed, stop_below=penalty,
-                wall_limit=0.5 * (self.wall_limit - (time.perf_counter() - self.started)),
+                soft, start, budget=0.5 * self.budget, seed=seed, stop_below=penalty, wall_limit=self.wall_left(),
             )
             self.budget -= soft_stats.get("lns_deterministic_s", 0.0)
             stats["repair_steps"] = soft_stats.get("lns_steps", 0)
             start = x_soft
+        if not math.isfinite(evaluate(flat, start)):
+            x, status, used = cpsat.solve_feasibility(flat, start, max(1.0, 0.5 * self.budget), seed, self.wall_left())
+            self.budget -= used
+            stats["feasibility_status"] = status
+            if status == "INFEASIBLE":
+                return self.infeasible()
+            if x is not None:
+                start = x
         self.consider(start, evaluate(flat, start))
+        return None
 
     def solve_whole(self) -> Solution | None:
         """Medium sizes (or nothing valid yet): the whole model, hinted, for a share of the budget."""
@@ -355,7 +377,7 @@ class Portfolio:
         found = self.best_x is not None
         share = max(1.0, 0.1 * self.budget) if found else max(1.0, 0.5 * self.budget)
         result = cpsat.solve_cpsat(flat, hint=self.best_x, time_limit=share, seed=self.seed, workers=self.threads,
-                                   progress=self.shifted, wall_limit=0.5 * self.wall_left() if found else self.wall_left())
+                                   progress=self.shifted, wall_limit=self.wall_left())
         self.stats.update(result.stats)
         self.budget -= result.stats.get("cpsat_deterministic_s", 0.0) + cpsat.CHARGE_PER_STEP
         self.bound = max(self.bound, result.lower_bound)
@@ -371,7 +393,7 @@ class Portfolio:
         flat, stats = self.flat, self.stats
         passes = trws_passes(flat, min(self.total_budget, 2.0 * max(0.0, self.budget)))
         trws_started = time.perf_counter()
-        value, _, _ = bounds.trws_bound(flat, passes=passes, wall_limit=0.5 * self.wall_left(), final_only=True)
+        value, _, _ = bounds.trws_bound(flat, passes=passes, wall_limit=self.wall_left(), final_only=True)
         value -= 1e-9 * max(1.0, abs(value))  # floating-point margin, as ``dual_bound``'s
         stats["trws_passes"] = passes
         stats["trws_s"] = round(time.perf_counter() - trws_started, 3)
@@ -388,7 +410,7 @@ class Portfolio:
         if self.decision > EXACT_NODES:
             x, cost, used, descent_stats = search.component_descent(
                 flat, self.best_x, budget=DESCENT_SHARE * max(0.0, self.budget), seed=self.seed,
-                wall_limit=DESCENT_SHARE * (self.wall_limit - (time.perf_counter() - self.started)),
+                wall_limit=self.wall_left(),
             )
             self.budget -= used
             stats.update(descent_stats)

@@ -56,6 +56,11 @@ TRWS_PENALTIES = (0.0, 0.003, 0.01, 0.03, 0.1, 0.3, 1.0)
 TRWS_START_PASSES = 30
 
 
+def _left(started: float, wall_limit: float | None) -> float | None:
+    """Seconds left of a wall-clock net of ``wall_limit`` seconds from ``started`` (``None``: no net)."""
+    return None if wall_limit is None else max(0.0, wall_limit - (time.perf_counter() - started))
+
+
 # -- neighbourhoods ---------------------------------------------------------------------------
 
 
@@ -207,7 +212,8 @@ def lns(
             free = neighbourhood(flat, int(size), rng, decision, kind, weights)
         sub = subproblem(flat, free, x, prof)
         before = evaluate(sub, x[free])
-        y, after, optimal, used = solve_neighbourhood(sub, x[free], min(step_limit, budget - spent + 1e-3), seed + step)
+        y, after, optimal, used = solve_neighbourhood(sub, x[free], min(step_limit, budget - spent + 1e-3), seed + step,
+                                                      _left(started, wall_limit))
         spent += used
         step += 1
         if log is not None:
@@ -330,7 +336,7 @@ def repair_forbidden(flat: Flat, x: np.ndarray, *, budget: float, seed: int = 0,
             continue
         sub = subproblem(flat, free, x, prof)
         limit = min(1.0 + 0.01 * len(free), max(0.05, budget - spent))
-        y, _, _, used = solve_neighbourhood(sub, x[free], limit, seed + len(done))
+        y, _, _, used = solve_neighbourhood(sub, x[free], limit, seed + len(done), _left(started, wall_limit))
         spent += used
         stats["repair_components"] += 1
         if y is None:
@@ -402,7 +408,8 @@ def _descent_sweep(flat: Flat, x: np.ndarray, cost: float, comp: np.ndarray, dec
         sub = subproblem(flat, free, x, prof)
         before = evaluate(sub, x[free])
         limit = min(1.0, max(0.05, budget - spent))
-        y, after, _, used = solve_neighbourhood(sub, x[free], limit, seed + stats["descent_steps"])
+        y, after, _, used = solve_neighbourhood(sub, x[free], limit, seed + stats["descent_steps"],
+                                                _left(started, wall_limit))
         spent += used
         stats["descent_steps"] += 1
         if y is not None and after < before - 1e-9 * max(1.0, abs(before)):
@@ -417,7 +424,8 @@ def _descent_sweep(flat: Flat, x: np.ndarray, cost: float, comp: np.ndarray, dec
 # -- warm starts from message passing ----------------------------------------------------------
 
 
-def trws_starts(flat, reference: float, seed: int) -> tuple[np.ndarray | None, float, float]:
+def trws_starts(flat: Flat, reference: float, seed: int,
+                wall_limit: float | None = None) -> tuple[np.ndarray | None, float, float]:
     """Warm starts from TRW-S decodings of the costs plus a usage penalty, repaired; the best, its cost, the work.
 
     The decoding ignores memory; the penalty (``mu`` times the reference
@@ -425,7 +433,9 @@ def trws_starts(flat, reference: float, seed: int) -> tuple[np.ndarray | None, f
     towards assignments that fit. Each decoding is repaired: memory first
     (``heuristics.repair`` on the softened problem), then ICM on the softened
     problem, then ``repair_forbidden`` for the forbidden pairs left.
+    ``wall_limit``: the caller's wall-clock net, in seconds from now.
     """
+    started = time.perf_counter()
     soft, _ = softened(flat)
     cap = float(np.abs(flat.capacity).max()) if len(flat.capacity) else 1.0
     if not math.isfinite(reference):
@@ -442,7 +452,7 @@ def trws_starts(flat, reference: float, seed: int) -> tuple[np.ndarray | None, f
         decoded: list = []
         bounds.trws_bound(penalised, passes=TRWS_START_PASSES, decoded=decoded)
         x = icm(soft, repair(soft, decoded[0]), sweeps=3)
-        x, used, _ = repair_forbidden(flat, x, budget=1.0, seed=seed + k)
+        x, used, _ = repair_forbidden(flat, x, budget=1.0, seed=seed + k, wall_limit=_left(started, wall_limit))
         spent += used + (1.5 * TRWS_START_PASSES + 5) * CHARGE_PER_ITEM * items
         cost = evaluate(flat, x)
         if cost < best_cost:

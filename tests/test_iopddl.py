@@ -177,3 +177,16 @@ def test_run_reports_infeasible(tmp_path):
     out = tmp_path / "answer.json"
     assert solve_instance(write_json(tmp_path, data), time_limit=1.0, out=out, console=console) == 1
     assert json.loads(out.read_text())["status"] == "infeasible"
+
+
+def test_answer_says_where_the_time_went(tmp_path):
+    from rich.console import Console
+
+    src = write_json(tmp_path, example())
+    out = tmp_path / "answer.json"
+    log = tmp_path / "log.txt"
+    with open(log, "w") as f:
+        assert solve_instance(src, time_limit=1.0, out=out, console=Console(file=f, width=100), verbose=True) == 0
+    seconds = json.loads(out.read_text())["seconds"]
+    assert {"read", "reduce"} <= set(seconds) and all(v >= 0 for v in seconds.values())
+    assert "where the time went" in log.read_text()

@@ -364,6 +364,74 @@ def test_repair_path_is_deterministic(monkeypatch):
     assert math.isfinite(problem.evaluate(a.assignment))
 
 
+def _without_timings(stats: dict) -> dict:
+    """Stats less wall-clock figures (``*_s`` keys, and the wall seconds of each phase)."""
+    out = {k: v for k, v in stats.items() if not k.endswith("_s") or "deterministic" in k}
+    if "phases" in out:
+        out["phases"] = {name: spent["work_s"] for name, spent in out["phases"].items()}
+    return out
+
+
+def test_time_limited_search_is_deterministic(monkeypatch):
+    """The whole large-problem path (repair, component descent, TRW-S bound, LNS) under a time limit, twice:
+    the same assignment, bound and search statistics, byte for byte.
+
+    Every decision is taken by deterministic work; only the wall-clock safety net (``1.05 * limit + 1`` s)
+    could end a run early, on a machine too loaded to do the work in time. The net is widened here so that
+    the test checks the decisions, whatever the load of the machine running the suite.
+    """
+    for name in ("TINY_NODES", "EXACT_NODES", "LARGE_NODES", "LP_MAX_NODES"):
+        monkeypatch.setattr(portfolio, name, 0)
+    monkeypatch.setattr(portfolio, "WALL_SLACK", 100.0)
+    monkeypatch.setattr(portfolio, "reduce", lambda p: reduce(p, max_rounds=0))  # restrict only
+    problem, _ = _planted_problem(300, seed=7)
+    a = solve(problem, time_limit=1.5, seed=1)
+    b = solve(problem, time_limit=1.5, seed=1)
+    assert a.stats["lns_steps"] > 0 and a.stats["descent_steps"] > 0  # the time-limited searches ran
+    assert a.status in ("optimal", "feasible")
+    assert a.assignment == b.assignment and a.cost == b.cost and a.lower_bound == b.lower_bound
+    assert _without_timings(a.stats) == _without_timings(b.stats)
+    assert set(a.stats["phases"]) >= {"starts", "feasibility", "bounds", "search"}
+
+
+def test_feasibility_search_when_repair_fails(monkeypatch):
+    """With ICM, the forbidden-pair repair and the softened search disabled, CP-SAT's feasibility model still
+    finds a valid assignment from least usage (forbidden pairs and memory hard, no objective)."""
+    for name in ("TINY_NODES", "EXACT_NODES", "LARGE_NODES", "LP_MAX_NODES"):
+        monkeypatch.setattr(portfolio, name, 0)
+    monkeypatch.setattr(heuristics, "icm", lambda flat, x, sweeps=10: x)
+    monkeypatch.setattr(search, "repair_forbidden",
+                        lambda flat, x, **kw: (x, 0.0, {"repair_components": 0, "repair_left": 1}))
+    monkeypatch.setattr(search, "lns", lambda flat, x, **kw: (x, evaluate(flat, x), {"lns_steps": 0}))
+    monkeypatch.setattr(portfolio, "reduce", lambda p: reduce(p, max_rounds=0))
+    problem, _ = _planted_problem(200, seed=4)
+    sol = solve(problem, time_limit=2.0, seed=0)
+    assert sol.stats["feasibility_status"] in ("FEASIBLE", "OPTIMAL")
+    assert sol.status in ("optimal", "feasible")
+    assert math.isfinite(problem.evaluate(sol.assignment))
+
+
+def test_feasibility_search_proves_infeasibility():
+    """Two nodes whose every pair is forbidden: the feasibility model says so."""
+    from shardsolve.encodings.cpsat import solve_feasibility
+
+    nodes = (Node("a", np.zeros(2), np.ones(2), (0, 1)), Node("b", np.zeros(2), np.ones(2), (0, 1)))
+    problem = Problem(nodes, (Edge(0, 1, np.array([[FORBIDDEN, 0.0], [0.0, FORBIDDEN]])),), 1.5)
+    x, status, used = solve_feasibility(flatten(problem), np.zeros(2, dtype=np.int64), 1.0, seed=0)
+    assert x is None and status == "INFEASIBLE" and used > 0
+
+
+def test_lp_certificate_is_tight_on_an_integral_lp():
+    """A tree: the LP is integral, and the bound certified from its duals meets the optimum."""
+    nodes = tuple(Node(f"n{i}", np.array([float(i % 3), 2.0, 1.0]), np.zeros(3)) for i in range(6))
+    edges = tuple(Edge(i, i + 1, np.array([[0.0, 3.0, 1.0], [2.0, 0.0, 4.0], [1.0, 1.0, 0.0]])) for i in range(5))
+    problem = Problem(nodes, edges)
+    opt, _ = brute_force(problem)
+    value, margin, _ = bounds.lp_solve(flatten(problem))
+    assert value - margin <= opt + 1e-12
+    assert value - margin == pytest.approx(opt, rel=1e-9)
+
+
 def test_component_descent_keeps_validity_and_never_worsens():
     problem, _ = _planted_problem(150, seed=2)
     flat = flatten(problem)

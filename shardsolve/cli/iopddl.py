@@ -19,7 +19,7 @@ from rich.table import Table
 from shardsolve.cli.common import console as make_console
 from shardsolve.encodings import solve
 from shardsolve.files import write_atomically
-from shardsolve.iopddl import read_iopddl, solution_to_json
+from shardsolve.iopddl import read_iopddl, solution_to_json, time_spent
 
 #: Seconds of search when ``--time-limit`` is not given.
 DEFAULT_TIME_LIMIT = 60.0
@@ -34,22 +34,27 @@ def add_parser(sub: Any) -> None:
     )
     p.add_argument("file", help="instance file")
     p.add_argument("--time-limit", type=float, default=DEFAULT_TIME_LIMIT, help="seconds (default: 60)")
-    p.add_argument("--out", help="write {solution, cost, lower_bound, status} as JSON to this file")
+    p.add_argument("--out", help="write {solution, cost, lower_bound, status, seconds} as JSON to this file")
+    p.add_argument("--verbose", action="store_true", help="also show where the time went, phase by phase")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    return solve_instance(args.file, time_limit=args.time_limit, out=args.out, console=make_console())
+    return solve_instance(args.file, time_limit=args.time_limit, out=args.out, console=make_console(),
+                          verbose=args.verbose)
 
 
 def solve_instance(path: str | os.PathLike, time_limit: float | None = None, out: str | os.PathLike | None = None,
-                   console: Console | None = None) -> int:
+                   console: Console | None = None, verbose: bool = False) -> int:
     """Solve one contest instance and print cost, lower bound and gap.
 
     Arguments: ``path`` the instance (``.json`` or ``.json.gz``); ``time_limit``
     seconds for the search (``None``: 60); ``out`` where to write the answer JSON
     (see :func:`shardsolve.iopddl.solution_to_json`; written atomically), or
-    ``None``; ``console`` a ``rich.console.Console`` (a new one when ``None``).
+    ``None``; ``console`` a ``rich.console.Console`` (a new one when ``None``);
+    ``verbose`` adds a table of the phases (wall seconds, deterministic work)
+    and the search's counts. The progress line shows the best cost and the
+    bound as they move.
 
     Returns the exit status: 0 when a valid solution was found, 1 when none was
     (infeasible or out of time); bad input raises ``ShardsolveError`` (the CLI
@@ -58,6 +63,7 @@ def solve_instance(path: str | os.PathLike, time_limit: float | None = None, out
     console = console or Console()
     started = time.perf_counter()
     problem = read_iopddl(path)
+    read_s = time.perf_counter() - started
     console.print(
         f"[bold]{Path(path).name}[/]: {len(problem.nodes):,} nodes, {len(problem.edges):,} edges, "
         f"{problem.num_strategies:,} strategies, usage limit {problem.usage_limit if problem.usage_limit is not None else 'none'}"
@@ -67,7 +73,8 @@ def solve_instance(path: str | os.PathLike, time_limit: float | None = None, out
 
         def progress(message: str, best: float, bound: float) -> None:
             gap = f"{(best - bound) / best:.2%}" if math.isfinite(best) and best > 0 else "-"
-            status.update(f"{message}: cost {best:,.0f}, bound {bound:,.0f}, gap {gap}  [{time.perf_counter() - started:.0f}s]")
+            cost = f"{best:,.0f}" if math.isfinite(best) else "none yet"
+            status.update(f"{message}: cost {cost}, bound {bound:,.0f}, gap {gap}  [{time.perf_counter() - started:.0f}s]")
 
         solution = solve(problem, time_limit=limit, progress=progress)
     cost = problem.evaluate(solution.assignment) if solution.assignment else math.inf
@@ -80,9 +87,31 @@ def solve_instance(path: str | os.PathLike, time_limit: float | None = None, out
     if solution.conflict:
         table.add_row("conflict", ", ".join(solution.conflict))
     console.print(table)
+    seconds = time_spent(solution, read_s)
+    if verbose:
+        console.print(phases_table(solution, seconds))
     if out is not None:
-        payload = json.dumps(solution_to_json(problem, solution), indent=None).encode()
+        payload = json.dumps(solution_to_json(problem, solution, seconds), indent=None).encode()
         Path(out).parent.mkdir(parents=True, exist_ok=True)
         write_atomically(Path(out), payload)
         console.print(f"wrote {out}")
     return 0 if math.isfinite(cost) else 1
+
+
+#: Search counts shown by ``--verbose``, when the solver reports them.
+COUNTS = ("lp_rounding_free_nodes", "repair_components", "repair_left", "feasibility_status", "descent_sweeps",
+          "descent_steps", "descent_improvements", "trws_passes", "lns_steps", "lns_improvements", "cpsat_status")
+
+
+def phases_table(solution, seconds: dict[str, float]) -> Table:
+    """Where the time went: wall seconds and deterministic work per stage, then the search's counts."""
+    stats = solution.stats or {}
+    phases = stats.get("phases", {})
+    table = Table("stage", "wall s", "work s", title="where the time went")
+    for name, wall in seconds.items():
+        work = phases.get(name, {}).get("work_s")
+        table.add_row(name, f"{wall:.2f}", "-" if work is None else f"{work:.2f}")
+    for key in COUNTS:
+        if key in stats:
+            table.add_row(key.replace("_", " "), str(stats[key]), "")
+    return table
