@@ -31,9 +31,9 @@ import math
 
 import numpy as np
 
-from shardsolve.encodings.flat import INF, Flat, evaluate, profile, tolerance
+from shardsolve.encodings.flat import CHARGE_PER_ITEM, INF, Flat, evaluate, profile, tolerance
 
-__all__ = ["icm", "repair", "forest_descent", "warm_start", "least_usage"]
+__all__ = ["icm", "repair", "forest_descent", "warm_start", "least_usage", "OneNodeMoves"]
 
 
 # -- local search ----------------------------------------------------------------------
@@ -238,3 +238,157 @@ def warm_start(flat: Flat, seed: int = 0, rounds: int = 12, x0: np.ndarray | Non
                 best, best_cost = y, c
     return best, best_cost
 
+
+
+# -- vectorised one-node moves ---------------------------------------------------------------
+
+
+#: ``OneNodeMoves`` is not built when the edge tables hold more entries than this (a copy of them is made).
+MOVES_MAX_ENTRIES = 60_000_000
+#: Deterministic charge (seconds) per strategy and table-row entry touched by one round of moves.
+CHARGE_PER_ENTRY = 2e-8
+
+
+class OneNodeMoves:
+    """Iterated conditional modes for all nodes at once, in numpy: rounds of simultaneous one-node moves.
+
+    A round computes every strategy's local cost (node cost plus the incident
+    edges' entries towards the neighbours' current strategies) with two
+    ``bincount`` calls over precomputed indices, the memory room of every node
+    (the least free capacity over its interval, from a sparse table of range
+    minima, plus its own usage), and each node's best allowed strategy. The
+    nodes that gain and beat every gaining neighbour (larger gain, ties to the
+    lower index) move together: no two movers share an edge, so the cost falls
+    by exactly the sum of their gains. Movers that raise usage in a segment
+    left over capacity are moved back (all but the best when that would leave
+    none: alone it fits), so every round keeps the assignment valid. Rounds
+    stop when nothing gains or after ``rounds``; the work is charged per
+    entry touched, so the result does not depend on the clock.
+    """
+
+    def __init__(self, flat: Flat):
+        self.flat = flat
+        sizes = np.array([len(c) for c in flat.costs], dtype=np.int64)
+        self.sizes = sizes
+        self.offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
+        self.node_of = np.repeat(np.arange(flat.n), sizes)
+        self.costs = np.concatenate(flat.costs) if flat.n else np.zeros(0)
+        self.usages = np.concatenate(flat.usages) if flat.n else np.zeros(0)
+        self.decision = sizes > 1
+        eu, ev = flat.eu.astype(np.int64), flat.ev.astype(np.int64)
+        su, sv = sizes[eu], sizes[ev]
+        tsize = su * sv
+        toff = np.concatenate([[0], np.cumsum(tsize)[:-1]]).astype(np.int64)
+        self.table = np.concatenate([t.ravel() for t in flat.tables]) if len(flat.tables) else np.zeros(0)
+        # u side: entry (edge k, row a) adds table_k[a, x_v] to strategy a of u
+        k_u = np.repeat(np.arange(len(eu)), su)
+        a = np.arange(int(su.sum())) - np.repeat(np.concatenate([[0], np.cumsum(su)[:-1]]), su)
+        self.u_target = self.offsets[eu][k_u] + a
+        self.u_base = toff[k_u] + a * sv[k_u]
+        self.u_other = ev[k_u]
+        # v side: entry (edge k, column b) adds table_k[x_u, b] to strategy b of v
+        k_v = np.repeat(np.arange(len(ev)), sv)
+        b = np.arange(int(sv.sum())) - np.repeat(np.concatenate([[0], np.cumsum(sv)[:-1]]), sv)
+        self.v_target = self.offsets[ev][k_v] + b
+        self.v_base = toff[k_v] + b
+        self.v_other = eu[k_v]
+        self.v_stride = sv[k_v]
+        self.round_charge = CHARGE_PER_ENTRY * (len(self.costs) + len(self.u_target) + len(self.v_target)) \
+            + CHARGE_PER_ITEM * 0.1 * (flat.n + len(flat.tables))
+
+    @staticmethod
+    def fits(flat: Flat) -> bool:
+        return sum(t.size for t in flat.tables) <= MOVES_MAX_ENTRIES
+
+    def local_costs(self, x: np.ndarray) -> np.ndarray:
+        """Every strategy's cost given the neighbours' current strategies in ``x``."""
+        m = len(self.costs)
+        out = self.costs.copy()
+        if len(self.u_target):
+            out += np.bincount(self.u_target, self.table[self.u_base + x[self.u_other]], minlength=m)
+            out += np.bincount(self.v_target, self.table[self.v_base + x[self.v_other] * self.v_stride], minlength=m)
+        return out
+
+    def room(self, prof: np.ndarray, x: np.ndarray) -> np.ndarray:
+        """Per node, the usage it may take: its current usage plus the least free capacity over its interval."""
+        flat = self.flat
+        own = self.usages[self.offsets + x]
+        s0, s1 = flat.seg_start, flat.seg_end
+        out = np.full(flat.n, INF)
+        has = s1 > s0
+        if not len(flat.capacity) or not has.any():
+            return out
+        free = flat.capacity - prof
+        levels = [free]
+        while (1 << len(levels)) <= len(free):
+            prev, step = levels[-1], 1 << (len(levels) - 1)
+            levels.append(np.minimum(prev[:-step], prev[step:]))
+        length = (s1 - s0)[has]
+        k = np.floor(np.log2(length)).astype(np.int64)
+        lo = s0[has]
+        hi = s1[has] - (1 << k)
+        least = np.empty(len(lo))
+        for j in np.unique(k):
+            sel = k == j
+            least[sel] = np.minimum(levels[j][lo[sel]], levels[j][hi[sel]])
+        out[has] = least + own[has]
+        return out
+
+    def descend(self, x: np.ndarray, rounds: int = 50) -> tuple[np.ndarray, int, float]:
+        """Rounds of moves from a valid ``x``; returns (new assignment, rounds run, deterministic work)."""
+        flat = self.flat
+        x = np.asarray(x, dtype=np.int64).copy()
+        tol = tolerance(flat)
+        memory = len(flat.capacity) > 0
+        prof = profile(flat, x) if memory else np.zeros(0)
+        spent = 0.0
+        done = 0
+        for done in range(1, rounds + 1):
+            spent += self.round_charge
+            local = self.local_costs(x)
+            cur = self.offsets + x
+            allowed = local
+            if memory:
+                room = self.room(prof, x)
+                allowed = np.where(self.usages <= room[self.node_of] + tol, local, INF)
+            least = np.minimum.reduceat(allowed, self.offsets)
+            now = local[cur]
+            gain = now - least
+            cand = self.decision & np.isfinite(least) & (gain > 1e-9 * np.maximum(1.0, np.abs(now)))
+            if not cand.any():
+                break
+            both = cand[flat.eu] & cand[flat.ev]
+            eu, ev = flat.eu[both], flat.ev[both]
+            u_wins = (gain[eu] > gain[ev]) | ((gain[eu] == gain[ev]) & (eu < ev))
+            beaten = np.zeros(flat.n, dtype=bool)
+            beaten[ev[u_wins]] = True
+            beaten[eu[~u_wins]] = True
+            movers = np.flatnonzero(cand & ~beaten)
+            hit = np.flatnonzero((allowed == least[self.node_of]) & np.isin(self.node_of, movers))
+            first = np.unique(self.node_of[hit], return_index=True)[1]
+            best = hit[first]  # the first best strategy of each mover, in mover order
+            new = best - self.offsets[movers]
+            if memory:
+                change = self.usages[best] - self.usages[cur[movers]]
+                trial = _shifted_profile(flat, prof, movers, change)
+                over = trial > flat.capacity + tol
+                if over.any():
+                    count = np.concatenate([[0], np.cumsum(over)])
+                    covers = count[flat.seg_end[movers]] - count[flat.seg_start[movers]] > 0
+                    keep = ~(covers & (change > 0))
+                    if not keep.any():  # alone, the best of them fits (its room says so)
+                        keep[int(np.argmax(gain[movers]))] = True
+                    movers, new, change = movers[keep], new[keep], change[keep]
+                    trial = _shifted_profile(flat, prof, movers, change)
+                prof = trial
+            if not len(movers):
+                break
+            x[movers] = new
+        return x, done, spent
+
+
+def _shifted_profile(flat: Flat, prof: np.ndarray, nodes: np.ndarray, change: np.ndarray) -> np.ndarray:
+    delta = np.zeros(len(flat.capacity) + 1)
+    np.add.at(delta, flat.seg_start[nodes], change)
+    np.add.at(delta, flat.seg_end[nodes], -change)
+    return prof + np.cumsum(delta)[:-1]

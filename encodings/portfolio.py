@@ -16,7 +16,8 @@
                        hinted, for a share of the budget (may prove optimality)
     certify            no LP: TRW-S message passing, memory relaxed, for a share of the budget
                        (and min-sum diffusion, the larger)
-    improve            > 400 decisions: sweeps of component descent; then large-neighbourhood search
+    improve            > 400 decisions: vectorised one-node moves, sweeps of component descent, moves
+                       again; then large-neighbourhood search
     --lift--> assignment of the original problem, cost from ``Problem.evaluate``
 
 Each phase is one method of :class:`Portfolio`, which holds the incumbent,
@@ -59,6 +60,10 @@ LARGE_NODES = 5000
 LP_CHARGE = 2e-6
 #: Share of the remaining budget for ``search.component_descent`` (sweeps) before the LNS.
 DESCENT_SHARE = 0.6
+#: Vectorised one-node moves before and after the component descent: at most this many rounds, and this share
+#: of the budget left.
+MOVE_ROUNDS = 200
+MOVE_SHARE = 0.05
 #: Deterministic charge (seconds) per node and per edge of the input, for checking and reducing it.
 REDUCE_CHARGE = 1e-4
 #: TRW-S bound (where the LP is skipped): at most this many passes, and this share of the budget.
@@ -393,7 +398,7 @@ class Portfolio:
         flat, stats = self.flat, self.stats
         passes = trws_passes(flat, min(self.total_budget, 2.0 * max(0.0, self.budget)))
         trws_started = time.perf_counter()
-        value, _, _ = bounds.trws_bound(flat, passes=passes, wall_limit=self.wall_left(), final_only=True)
+        value, _, _ = bounds.trws_bound(flat, passes=passes, wall_limit=0.5 * self.wall_left(), final_only=True)
         value -= 1e-9 * max(1.0, abs(value))  # floating-point margin, as ``dual_bound``'s
         stats["trws_passes"] = passes
         stats["trws_s"] = round(time.perf_counter() - trws_started, 3)
@@ -404,18 +409,35 @@ class Portfolio:
             self.bound = max(self.bound, bounds.dual_bound(flat, iterations=50))
             self.budget -= 100 * CHARGE_PER_ITEM * (flat.n + len(flat.tables))
 
+    def one_node_moves(self) -> None:
+        """Rounds of vectorised one-node moves (``heuristics.OneNodeMoves``) from the incumbent."""
+        if not heuristics.OneNodeMoves.fits(self.flat) or self.budget <= 0:
+            return
+        moves = heuristics.OneNodeMoves(self.flat)
+        rounds = int(min(MOVE_ROUNDS, max(1.0, MOVE_SHARE * self.budget / moves.round_charge)))
+        x, done, used = moves.descend(self.best_x, rounds=rounds)
+        self.budget -= used
+        self.stats["move_rounds"] = self.stats.get("move_rounds", 0) + done
+        self.consider(x, evaluate(self.flat, x))
+
     def improve(self) -> None:
-        """Component descent (where forbidden pairs tie nodes together), then large-neighbourhood search."""
+        """One-node moves, component descent (where forbidden pairs tie nodes together), then LNS.
+
+        The wall-clock shares (half the time left for the TRW-S bound, ``DESCENT_SHARE`` for the descent)
+        only bind on a machine too loaded to do the work in the time: then they leave the LNS its turn.
+        """
         flat, stats = self.flat, self.stats
         if self.decision > EXACT_NODES:
+            self.one_node_moves()
             x, cost, used, descent_stats = search.component_descent(
                 flat, self.best_x, budget=DESCENT_SHARE * max(0.0, self.budget), seed=self.seed,
-                wall_limit=self.wall_left(),
+                wall_limit=DESCENT_SHARE * self.wall_left(),
             )
             self.budget -= used
             stats.update(descent_stats)
             self.consider(x, cost)
             self.report("component descent", self.best_cost + self.offset, self.bound + self.offset)
+            self.one_node_moves()
         x, cost, lns_stats = search.lns(
             flat, self.best_x, budget=max(0.0, self.budget), seed=self.seed, progress=self.shifted,
             lower_bound=self.bound, wall_limit=self.wall_left(), guide=self.guide,

@@ -432,6 +432,24 @@ def test_lp_certificate_is_tight_on_an_integral_lp():
     assert value - margin == pytest.approx(opt, rel=1e-9)
 
 
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(sparse_problems(max_nodes=60))
+def test_vectorised_moves_keep_validity_and_never_worsen(problem):
+    """Simultaneous one-node moves from least usage (forbidden pairs softened, memory hard): still within
+    memory, never costlier, deterministic, and ending where no single node gains on its own (as ICM would)."""
+    flat, _ = softened(flatten(problem))
+    x0 = heuristics.least_usage(flat)
+    assume(math.isfinite(evaluate(flat, x0)))  # least usage fits memory unless nothing does
+    moves = heuristics.OneNodeMoves(flat)
+    x, rounds, work = moves.descend(x0, rounds=500)
+    cost = evaluate(flat, x)
+    assert cost <= evaluate(flat, x0) and math.isfinite(cost)
+    assert rounds < 500 and work > 0
+    assert evaluate(flat, heuristics.icm(flat, x, sweeps=1)) >= cost - 1e-9 * abs(cost)
+    again, _, _ = moves.descend(x0, rounds=500)
+    assert np.array_equal(again, x)
+
+
 def test_component_descent_keeps_validity_and_never_worsens():
     problem, _ = _planted_problem(150, seed=2)
     flat = flatten(problem)
