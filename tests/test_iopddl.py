@@ -175,7 +175,7 @@ def test_run_reports_infeasible(tmp_path):
 
     console = Console(file=open(tmp_path / "log.txt", "w"), width=100)
     out = tmp_path / "answer.json"
-    assert solve_instance(write_json(tmp_path, data), time_limit=1.0, out=out, console=console) == 1
+    assert solve_instance(write_json(tmp_path, data), time_limit=1.0, out=out, console=console) == 2
     assert json.loads(out.read_text())["status"] == "infeasible"
 
 

@@ -57,8 +57,10 @@ def solve_instance(path: str | os.PathLike, time_limit: float | None = None, out
     bound as they move.
 
     Returns the exit status: 0 when a valid solution was found, 1 when none was
-    (infeasible or out of time); bad input raises ``ShardsolveError`` (the CLI
-    prints its one-line message and exits with 2).
+    found in the time, 2 when the instance has none (status ``"infeasible"``,
+    with the conflicting constraints where the solver can name them); bad input
+    raises ``ShardsolveError`` (the CLI prints its one-line message and exits
+    with 2).
     """
     console = console or Console()
     started = time.perf_counter()
@@ -95,7 +97,9 @@ def solve_instance(path: str | os.PathLike, time_limit: float | None = None, out
         Path(out).parent.mkdir(parents=True, exist_ok=True)
         write_atomically(Path(out), payload)
         console.print(f"wrote {out}")
-    return 0 if math.isfinite(cost) else 1
+    if math.isfinite(cost):
+        return 0
+    return 2 if solution.status == "infeasible" else 1
 
 
 #: Search counts shown by ``--verbose``, when the solver reports them.
