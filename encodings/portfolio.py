@@ -443,6 +443,7 @@ class Portfolio:
             lower_bound=self.bound, wall_limit=self.wall_left(), guide=self.guide,
         )
         stats.update(lns_stats)
+        self.budget -= lns_stats.get("lns_deterministic_s", 0.0)
         self.consider(x, cost)
 
 
