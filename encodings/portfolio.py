@@ -11,7 +11,8 @@
                        fractional nodes solved exactly
     find_feasible      nothing valid yet (large problems): least usage, ICM on the softened problem,
                        an exact repair of every component of forbidden-bearing edges that still holds
-                       a forbidden pair, and LNS on the softened problem for what is left
+                       a forbidden pair, LNS on the softened problem for what is left, and last CP-SAT
+                       on feasibility alone over pruned domains (which may prove there is none)
     solve_whole        <= 400 decisions and 5,000 strategies (or nothing valid yet): the whole model,
                        hinted, for a share of the budget (may prove optimality)
     certify            no LP: TRW-S message passing, memory relaxed, for a share of the budget
@@ -23,9 +24,10 @@
 Each phase is one method of :class:`Portfolio`, which holds the incumbent,
 the bound and the budget left. Time limits are *deterministic* work budgets
 in seconds (CP-SAT's deterministic time, a fixed charge per model term built,
-per node and edge reduced, and per node and edge visited by a Python pass):
-every phase charges what it did, and the wall clock is only a safety net at
-``WALL_SLACK * time_limit + WALL_EXTRA`` seconds.
+per node and edge reduced, per node and edge visited by a Python pass, per
+entry touched by the vectorised moves): every phase charges what it did
+(``stats["phases"]``: wall seconds and work per phase), and the wall clock is
+only a safety net at ``WALL_SLACK * time_limit + WALL_EXTRA`` seconds.
 """
 
 from __future__ import annotations

@@ -450,6 +450,19 @@ def test_vectorised_moves_keep_validity_and_never_worsen(problem):
     assert np.array_equal(again, x)
 
 
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(small_problems(max_nodes=6))
+def test_lagrangian_bound_is_valid_for_any_prices(problem):
+    """TRW-S on memory-priced costs, less the prices times the capacities, never exceeds the optimum."""
+    opt, _ = brute_force(problem)
+    if opt == math.inf:
+        return
+    flat = flatten(restrict(problem)[0])
+    for scale in (0.0, 0.1, 1.0, 10.0):
+        mu = np.full(len(flat.binding), scale)
+        assert bounds.lagrangian_bound(flat, mu, passes=30) <= opt + 1e-9 * max(1.0, abs(opt))
+
+
 def test_component_descent_keeps_validity_and_never_worsens():
     problem, _ = _planted_problem(150, seed=2)
     flat = flatten(problem)
