@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from shardsolve.encodings import bounds, explain_infeasible, heuristics, portfolio, search, smt, solve
-from shardsolve.encodings.cpsat import reduce_table, solve_cpsat
+from shardsolve.encodings.cpsat import reduce_table, solve_cpsat, solve_feasibility
 from shardsolve.encodings.flat import evaluate, flatten, softened
 from shardsolve.encodings.presolve import reduce, restrict
 from shardsolve.problem import FORBIDDEN, MEMORY_LIMIT_LABEL, Edge, Node, Pin, Problem
@@ -412,9 +412,7 @@ def test_feasibility_search_when_repair_fails(monkeypatch):
 
 
 def test_feasibility_search_proves_infeasibility():
-    """Two nodes whose every pair is forbidden: the feasibility model says so."""
-    from shardsolve.encodings.cpsat import solve_feasibility
-
+    """Two nodes live at once, each using 1 of a limit of 1.5: the feasibility model proves that nothing fits."""
     nodes = (Node("a", np.zeros(2), np.ones(2), (0, 1)), Node("b", np.zeros(2), np.ones(2), (0, 1)))
     problem = Problem(nodes, (Edge(0, 1, np.array([[FORBIDDEN, 0.0], [0.0, FORBIDDEN]])),), 1.5)
     x, status, used = solve_feasibility(flatten(problem), np.zeros(2, dtype=np.int64), 1.0, seed=0)
