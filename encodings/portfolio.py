@@ -142,8 +142,7 @@ def explain_infeasible(problem: Problem) -> tuple[str, ...]:
     Empty when the problem is feasible, or infeasible without any pin or the
     memory limit (its forbidden costs alone conflict).
     """
-    # z3 is loaded only when a conflict is to be explained: loading it costs 0.3 s, and it changes
-    # which of several optimal vertices HiGHS returns for the LP relaxation (measured on IOPDDL B).
+    # z3 (0.3 s to load) is loaded only when a conflict is to be explained.
     from shardsolve.encodings import smt
 
     return smt.explain(problem)
