@@ -25,21 +25,21 @@ where the LP is too big. ``trws_decode`` reads an assignment off its messages
 (each node, in order, at its best given the nodes before it and the messages
 of those after); ``solve`` repairs such decodings into warm starts.
 
-**LP bound** (GLOP), for moderate sizes: the local marginal polytope with the
+**LP bound** (HiGHS), for moderate sizes: the local marginal polytope with the
 memory constraints kept::
 
     min  sum c_i(s) x_is + sum C_uv(a, b) y_uvab
     s.t. sum_s x_is = 1,   sum_b y_uvab = x_ua,   sum_a y_uvab = x_vb,
          sum_{i live in t} sum_s du_is x_is <= cap_t,   x, y in [0, 1]
 
-Forbidden entries are fixed to 0 in the LP. The LP optimum is a valid bound
-only when solved to optimality; we return ``-inf`` otherwise. To stay certified
-against floating-point error the LP value is reduced by a tiny relative margin.
+Forbidden entries are fixed to 0 in the LP. The bound is certified from the
+solver's duals (``dual_certificate``: the Lagrangian of any duals is a valid
+bound, whatever the solver's tolerances), less a tiny relative margin for
+floating point; ``-inf`` when the LP was not solved.
 
 The LP is built with numpy as one sparse matrix and solved by HiGHS (dual
-simplex, through scipy, which JAX already requires); GLOP (through
-``pywraplp``, one Python call per term: seconds on 200k pairs) remains as
-``backend="GLOP"``. Costs are normalised first (the largest finite entry above
+simplex, through scipy, which JAX already requires; GLOP through ``pywraplp``
+took seconds on 200k pairs, one Python call per term). Costs are normalised first (the largest finite entry above
 each node's and edge's minimum becomes 1): solver tolerances are absolute, and
 planner costs are seconds (1e-11 .. 1e-2), far below them. Margins are
 relative to the problem's own cost scale, never to 1.
@@ -47,19 +47,20 @@ relative to the problem's own cost scale, never to 1.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 
 import numpy as np
 
-from shardsolve.encodings.heuristics import Flat
+from shardsolve.encodings.flat import Flat
 
-__all__ = ["trivial_bound", "dual_bound", "trws_bound", "trws_decode", "lp_bound", "lp_relaxation", "lower_bound"]
+__all__ = ["trivial_bound", "dual_bound", "trws_bound", "trws_decode", "lp_solve", "lp_bound", "lagrangian_bound"]
 
 #: LP bounds are only attempted up to this many pair variables.
 LP_MAX_PAIRS = 300_000
-#: GLOP settings (text format of ``operations_research.glop.GlopParameters``).
-GLOP_PARAMETERS = "use_dual_simplex: true"
+#: TRW-S passes for the LP's Lagrangian certificate (``lagrangian_bound``), when the duals alone fall short.
+LP_TRWS_PASSES = 200
 
 
 def _finite_part(a: np.ndarray, big: float) -> np.ndarray:
@@ -250,11 +251,6 @@ def trws_decode(flat, costs, tables, to_u, to_v) -> np.ndarray:
     return x
 
 
-def lp_bound(flat: Flat, time_limit: float = 10.0) -> float:
-    """Local-polytope LP bound with memory constraints (GLOP); ``-inf`` when not solved to optimality."""
-    return lp_relaxation(flat, time_limit)[0]
-
-
 def lp_solve(flat: Flat, time_limit: float = 10.0) -> tuple[float, float, list[np.ndarray] | None]:
     """The local-polytope LP with memory, vectorised, solved by HiGHS.
 
@@ -290,6 +286,7 @@ def lp_solve(flat: Flat, time_limit: float = 10.0) -> tuple[float, float, list[n
     vals.append(np.ones(nx))
     n_rows = n
     ny = 0
+    pair_counts: list[int] = []  # pair variables per edge (each edge's block sums to 1)
     for k, t in enumerate(flat.tables):
         u, v = int(flat.eu[k]), int(flat.ev[k])
         finite = np.isfinite(t)
@@ -301,6 +298,7 @@ def lp_solve(flat: Flat, time_limit: float = 10.0) -> tuple[float, float, list[n
         unit = max(unit, float(d.max(initial=0.0)))
         yid = nx + ny + np.arange(m)
         ny += m
+        pair_counts.append(m)
         c_parts.append(d)
         ub_parts.append(np.ones(m))
         sa, sb = t.shape
@@ -331,100 +329,112 @@ def lp_solve(flat: Flat, time_limit: float = 10.0) -> tuple[float, float, list[n
                               (np.concatenate(mr) if mr else np.zeros(0, int), np.concatenate(mc) if mc else np.zeros(0, int))),
                              shape=(len(flat.binding), nx + ny))
         b_ub = np.array(caps) / scale_mem
+    else:
+        scale_mem = 1.0
+    # Exact steepest-edge pricing: HiGHS's default starts so and may switch to Devex on measured cost,
+    # which makes the returned vertex (of several optimal ones) vary from run to run.
     res = linprog(cost, A_ub=a_ub, b_ub=b_ub, A_eq=a_eq, b_eq=b_eq, bounds=np.stack([np.zeros(nx + ny), ub], axis=1),
-                  method="highs-ds", options={"time_limit": float(time_limit), "presolve": True})
+                  method="highs-ds", options={"time_limit": float(time_limit), "presolve": True,
+                                              "simplex_dual_edge_weight_strategy": "steepest"})
     if res.status == 2:
         return math.inf, 0.0, None
     if res.status != 0 or res.x is None:
         return -math.inf, 0.0, None
     value = offset + unit * float(res.fun)
-    # HiGHS's tolerances (1e-7) are on the normalised costs: allow that much per node, relative.
-    margin = 1e-7 * unit * (abs(float(res.fun)) + n) + 1e-12 * abs(offset)
+    blocks = np.concatenate([x_off[:-1], nx + np.concatenate([[0], np.cumsum(pair_counts)[:-1]])]).astype(np.int64)
+    certified = dual_certificate(res, cost, ub, a_eq, b_eq, a_ub, b_ub, blocks)
+    if certified is None:
+        # no duals: HiGHS's tolerances (1e-7) are on the normalised costs, allow that much per node, relative
+        margin = 1e-7 * unit * (abs(float(res.fun)) + n) + 1e-12 * abs(offset)
+    else:
+        margin = value - (offset + unit * certified) + 1e-12 * abs(offset)
+    if margin > 1e-10 * max(abs(value), 1e-300):
+        # the duals are approximate: keep the memory multipliers and let TRW-S find the edge part exactly
+        multipliers = np.zeros(len(flat.binding))
+        if a_ub is not None and getattr(res, "ineqlin", None) is not None:
+            multipliers = np.maximum(-np.asarray(res.ineqlin.marginals, dtype=np.float64), 0.0) * unit / scale_mem
+        lagrangian = lagrangian_bound(flat, multipliers, passes=LP_TRWS_PASSES, target=value)
+        margin = min(margin, value - lagrangian)
     marginals = [np.clip(res.x[x_off[i]:x_off[i + 1]], 0.0, 1.0) for i in range(n)]
     return value, margin, marginals
 
 
-def lp_relaxation(flat: Flat, time_limit: float = 10.0, backend: str = "HIGHS") -> tuple[float, list[np.ndarray] | None]:
-    """The LP bound and the fractional node marginals ``x_is`` (``None`` when not solved).
+def dual_certificate(res, cost: np.ndarray, ub: np.ndarray, a_eq, b_eq: np.ndarray, a_ub, b_ub,
+                     blocks: np.ndarray) -> float | None:
+    """A lower bound of the local-polytope LP (hence of the problem) from the LP solver's duals.
 
-    ``backend="PDLP"`` (first-order, for big LPs) gives approximate marginals
-    only: its value is not returned as a bound (``-inf``).
+    Any duals ``y`` (``y_ub <= 0``) give reduced costs
+    ``r = cost - a_eq^T y_eq - a_ub^T y_ub``, and for every feasible ``x``
+    ``cost.x = b_eq.y_eq + b_ub.y_ub + r.x - y_ub.(b_ub - a_ub x) >= b_eq.y_eq + b_ub.y_ub + r.x``.
+    The variables come in ``blocks`` (a node's strategies, an edge's pairs,
+    starting at the given indices) that each sum to 1, so
+    ``r.x >= sum over blocks of the least r`` of the block's allowed
+    variables. The bound holds whatever the solver's tolerances were; a
+    relative ``1e-12`` of the magnitudes summed is taken off for floating
+    point. ``None`` without usable duals.
     """
-    pairs = sum(int(np.isfinite(t).sum()) for t in flat.tables)
-    if pairs > LP_MAX_PAIRS:
-        return -math.inf, None
-    if backend == "HIGHS":
-        value, margin, marginals = lp_solve(flat, time_limit)
-        return (value - margin if math.isfinite(value) else value), marginals
-    from ortools.linear_solver import pywraplp
-
-    solver = pywraplp.Solver.CreateSolver(backend)
-    if solver is None:
-        return -math.inf, None
-    solver.SetTimeLimit(int(time_limit * 1000))
-    if backend == "GLOP":
-        solver.SetSolverSpecificParametersAsString(GLOP_PARAMETERS)
-    inf = solver.infinity()
-    x = []
-    objective = solver.Objective()
-    offset = 0.0
-    for i, c in enumerate(flat.costs):
-        low = float(c[np.isfinite(c)].min()) if np.isfinite(c).any() else 0.0
-        offset += low
-        xs = []
-        for s, cost in enumerate(c):
-            var = solver.NumVar(0.0, 1.0 if np.isfinite(cost) else 0.0, "")
-            if np.isfinite(cost) and cost != low:
-                objective.SetCoefficient(var, float(cost - low))
-            xs.append(var)
-        solver.Add(solver.Sum(xs) == 1)
-        x.append(xs)
-    for k, t in enumerate(flat.tables):
-        u, v = int(flat.eu[k]), int(flat.ev[k])
-        finite = np.isfinite(t)
-        low = float(t[finite].min()) if finite.any() else 0.0
-        offset += low
-        row_terms: list[list] = [[] for _ in range(t.shape[0])]
-        col_terms: list[list] = [[] for _ in range(t.shape[1])]
-        for a, b in zip(*np.nonzero(finite)):
-            y = solver.NumVar(0.0, 1.0, "")
-            if t[a, b] != low:
-                objective.SetCoefficient(y, float(t[a, b] - low))
-            row_terms[a].append(y)
-            col_terms[b].append(y)
-        for a, terms in enumerate(row_terms):
-            solver.Add(solver.Sum(terms) == x[u][a] if terms else x[u][a] == 0)
-        for b, terms in enumerate(col_terms):
-            solver.Add(solver.Sum(terms) == x[v][b] if terms else x[v][b] == 0)
-    for t in flat.binding:
-        live = flat.live(t)
-        ct = solver.Constraint(-inf, float(flat.capacity[t]))
-        for i in live:
-            for s, use in enumerate(flat.usages[i]):
-                if use:
-                    ct.SetCoefficient(x[i][s], float(use))
-    objective.SetMinimization()
-    status = solver.Solve()
-    if status == pywraplp.Solver.INFEASIBLE and backend == "GLOP":
-        return math.inf, None
-    if backend != "GLOP":
-        if status not in (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE, pywraplp.Solver.NOT_SOLVED):
-            return -math.inf, None
-        try:
-            return -math.inf, [np.array([v.solution_value() for v in xs]) for xs in x]
-        except Exception:  # no primal iterate available
-            return -math.inf, None
-    if status != pywraplp.Solver.OPTIMAL:
-        return -math.inf, None
-    value = offset + objective.Value()
-    marginals = [np.array([v.solution_value() for v in xs]) for xs in x]
-    return value - 1e-7 * max(1.0, abs(value)), marginals
+    try:
+        y_eq = np.asarray(res.eqlin.marginals, dtype=np.float64)
+        y_ub = np.minimum(np.asarray(res.ineqlin.marginals, dtype=np.float64), 0.0) if a_ub is not None else None
+    except AttributeError:
+        return None
+    if y_eq.shape != b_eq.shape or not np.isfinite(y_eq).all():
+        return None
+    reduced = cost - a_eq.T @ y_eq
+    size = np.abs(cost) + abs(a_eq).T @ np.abs(y_eq)  # magnitude of each reduced cost's terms
+    total = float(b_eq @ y_eq)
+    scale = float(np.abs(b_eq) @ np.abs(y_eq))
+    if y_ub is not None:
+        if y_ub.shape != b_ub.shape or not np.isfinite(y_ub).all():
+            return None
+        reduced = reduced - a_ub.T @ y_ub
+        size = size + abs(a_ub).T @ np.abs(y_ub)
+        total += float(b_ub @ y_ub)
+        scale += float(np.abs(b_ub) @ np.abs(y_ub))
+    blocks = blocks[np.diff(np.append(blocks, len(cost))) > 0]  # an edge without finite pairs has no block
+    if not len(blocks):
+        return total - 1e-12 * scale
+    allowed = np.where(ub > 0, reduced, np.inf)
+    least = np.minimum.reduceat(allowed, blocks)
+    if not np.isfinite(least).all():
+        return None  # a block with nothing allowed: the LP is infeasible, the solver says so
+    total += float(least.sum())
+    scale += float(np.maximum.reduceat(size, blocks).sum())
+    return total - 1e-12 * scale
 
 
-def lower_bound(flat: Flat, *, iterations: int = 20, lp_time_limit: float | None = 10.0) -> float:
-    """The best of the trivial, dual and (when small enough) LP bounds."""
-    best = trivial_bound(flat)
-    best = max(best, dual_bound(flat, iterations))
-    if lp_time_limit is not None and lp_time_limit > 0:
-        best = max(best, lp_bound(flat, lp_time_limit))
-    return best
+def lagrangian_bound(flat: Flat, multipliers: np.ndarray, *, passes: int = 200, target: float = math.inf) -> float:
+    """A lower bound with the memory constraints priced: TRW-S on ``cost + mu * usage``, less ``mu . capacity``.
+
+    ``multipliers`` (``mu >= 0``, one per binding segment, cost per unit of
+    usage) turn every binding memory constraint into a price: for an
+    assignment within memory, ``sum_t mu_t (usage_t - capacity_t) <= 0``, so
+    its cost is at least its priced cost less ``mu . capacity``, and TRW-S
+    bounds the priced, unconstrained problem. With the LP's own memory duals
+    this reaches the LP optimum where the LP is tight (IOPDDL B and G: to a
+    part in 1e12), where the duals alone fall short by the solver's
+    tolerance. Stops after ``passes`` or at ``target``; a relative ``1e-10``
+    is taken off for floating point.
+    """
+    mu = np.maximum(np.asarray(multipliers, dtype=np.float64), 0.0)
+    costs = flat.costs
+    constant = 0.0
+    if len(flat.binding) and mu.any():
+        at = np.zeros(len(flat.capacity) + 1)
+        at[np.asarray(flat.binding, dtype=np.int64)] = mu
+        cum = np.concatenate([[0.0], np.cumsum(at)])
+        price = cum[flat.seg_end] - cum[flat.seg_start]  # sum of mu over the binding segments a node is live in
+        costs = tuple(c + w * u for c, w, u in zip(flat.costs, price, flat.usages))
+        constant = float(mu @ flat.capacity[np.asarray(flat.binding, dtype=np.int64)])
+    priced = dataclasses.replace(flat, costs=costs, capacity=np.zeros(0), binding=())
+    value, _, _ = trws_bound(priced, passes=passes, target=target + constant)
+    return value - constant - 1e-10 * (abs(value) + abs(constant))
+
+
+def lp_bound(flat: Flat, time_limit: float = 10.0) -> float:
+    """The certified LP bound (``lp_solve``'s value less its margin); ``-inf`` when not solved to optimality
+    or above ``LP_MAX_PAIRS`` pair variables, ``inf`` when the LP is infeasible."""
+    if sum(int(np.isfinite(t).sum()) for t in flat.tables) > LP_MAX_PAIRS:
+        return -math.inf
+    value, margin, _ = lp_solve(flat, time_limit)
+    return value - margin if math.isfinite(value) else value

@@ -14,18 +14,17 @@ Edge costs are reduced first (``reduce_table``): subtract each row's minimum
 ``r_a`` and then each column's minimum ``k_b`` of the finite entries,
 ``C[a, b] = r_a + k_b + R[a, b]`` with ``R >= 0``; ``r`` and ``k`` move into the
 node costs ``c'``. Only the positive residuals ``R[a, b] > 0`` need a term
-(``add_edge_costs``):
-
-* few of them: one Boolean ``y[a, b] >= x[u, a] + x[v, b] - 1`` each, with
-  objective weight ``R[a, b]``;
-* many: one integer ``cost_uv`` and, for every strategy ``a`` of the endpoint
-  with fewer strategies, ``x[u, a] => cost_uv >= sum_b R[a, b] x[v, b]``.
+(``add_edge_costs``): one integer ``cost_uv`` per edge and, for every
+strategy ``a`` of the endpoint with fewer strategies,
+``x[u, a] => cost_uv >= sum_b R[a, b] x[v, b]``. (One Boolean per positive
+residual, ``y[a, b] >= x[u, a] + x[v, b] - 1``, is the textbook alternative;
+it made every IOPDDL and planner model larger and slower, so it is not built.)
 
 Memory (``add_memory_limit``): usages are measured above each node's least
 usage (``du``), single-usage nodes move into ``cap_t`` (the limit minus their
 usage), time steps are grouped into segments where the live set does not
 change, and a segment's constraint is dropped when a neighbouring segment's
-implies it or when it cannot bind (see ``heuristics.flatten``).
+implies it or when it cannot bind (see ``flat.flatten``).
 
 Costs become integers: ``floor(c * scale)`` with ``scale`` chosen so that the
 reference cost (the warm start, or a crude upper bound) maps to about
@@ -33,11 +32,13 @@ reference cost (the warm start, or a crude upper bound) maps to about
 paying one is worse than the reference, so the optimum is unchanged). Flooring
 keeps CP-SAT's objective bound a valid lower bound in the problem's units.
 
-Search: the warm start is a complete hint; ``interleave_search`` with a fixed
-``random_seed`` makes the run deterministic, and the limit is CP-SAT's
-deterministic time, so the same problem and options give the same answer byte
-for byte (``max_time_in_seconds`` is a wall-clock safety net at a multiple of
-it). LNS workers take part in the interleaved portfolio.
+Solving (``solve_cpsat`` for a whole model, ``solve_neighbourhood`` for the
+sub-problems of the searches in ``search``): the warm start is a complete
+hint; ``interleave_search`` with a fixed ``random_seed`` makes the run
+deterministic, and the limit is CP-SAT's deterministic time, so the same
+problem and options give the same answer byte for byte
+(``max_time_in_seconds`` is a wall-clock safety net at a multiple of it).
+CP-SAT's own LNS workers take part in the interleaved portfolio.
 """
 
 from __future__ import annotations
@@ -50,14 +51,10 @@ from typing import Callable
 import numpy as np
 from ortools.sat.python import cp_model
 
-from shardsolve.encodings.heuristics import CHARGE_PER_ITEM, Flat, evaluate, excess_costs, neighbourhood, profile, prune, subproblem
-from shardsolve.reductions import component_labels
+from shardsolve.encodings.flat import Flat, evaluate, prune
 
-__all__ = ["CpSatResult", "CpSatEncoding", "solve_cpsat", "solve_neighbourhood", "reduce_table", "lns",
-           "forbidden_components", "violated_edges", "repair_forbidden", "component_descent"]
+__all__ = ["CpSatResult", "CpSatEncoding", "solve_cpsat", "solve_neighbourhood", "solve_feasibility", "reduce_table"]
 
-#: Edges with at most this many positive residual entries get one Boolean per entry.
-PAIR_VARIABLE_LIMIT = 0
 #: The reference cost maps to about this many integer units. Larger scales (1e12)
 #: made CP-SAT 9.15's presolve return a wrong "optimal" on small random models
 #: (tests/test_solver.py::test_cpsat_and_z3_agree found it); 1e9 keeps flooring
@@ -72,11 +69,11 @@ CHARGE_PER_TERM = 5e-6
 NEIGHBOURHOOD_FACTOR = 3.0
 #: Deterministic charge (seconds) per neighbourhood, whatever its size.
 CHARGE_PER_STEP = 0.005
-#: Largest neighbourhood ``repair_forbidden`` frees at once (a ball inside a bigger component).
-REPAIR_MAX_NODES = 400
-#: ``component_descent``: largest neighbourhood, and the nodes around a small component freed with it.
-DESCENT_MAX_NODES = 600
-DESCENT_GROW = 100
+#: A neighbourhood solve's own wall-clock net: this multiple of its deterministic limit plus a few
+#: seconds (capped by the caller's net). Generous, so that load on the machine does not cut a solve
+#: (which would make the search depend on the load).
+NEIGHBOURHOOD_WALL_FACTOR = 10.0
+NEIGHBOURHOOD_WALL_EXTRA = 5.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,11 +116,10 @@ def _integral_usage(flat: Flat) -> tuple[list[np.ndarray], np.ndarray]:
 class CpSatEncoding:
     """Builds the CP-SAT model for a :class:`Flat` problem, one method per constraint family."""
 
-    def __init__(self, flat: Flat, reference_cost: float):
+    def __init__(self, flat: Flat, reference_cost: float, *, objective: bool = True):
         self.flat = flat
         self.model = cp_model.CpModel()
         self.x: list[list[cp_model.IntVar]] = []
-        self.pairs: list[tuple[int, int, int, cp_model.IntVar]] = []  # (edge, a, b, y)
         self.edge_cost_vars: list[tuple[int, cp_model.IntVar, np.ndarray, bool]] = []
         self.node_costs = [c.copy() for c in flat.costs]
         self.residuals: list[np.ndarray] = []
@@ -136,9 +132,11 @@ class CpSatEncoding:
         self.split_edge_tables()
         self.choose_scale()
         self.add_forbidden_pairs()
-        self.add_edge_costs()
+        if objective:  # else a feasibility model: forbidden pairs and memory only
+            self.add_edge_costs()
         self.add_memory_limit()
-        self.add_objective()
+        if objective:
+            self.add_objective()
 
     # -- variables -------------------------------------------------------------------
 
@@ -202,20 +200,13 @@ class CpSatEncoding:
                     self.model.add_bool_or([self.x[v][b].Not()] + [self.x[u][a] for a in np.flatnonzero(finite[:, b])])
 
     def add_edge_costs(self) -> None:
-        """Positive residuals: pair Booleans when few, else one conditional sum per row."""
+        """Positive residuals: one cost variable per edge, bounded below by a conditional sum per row."""
         for k, r in enumerate(self.residuals):
             u, v = int(self.flat.eu[k]), int(self.flat.ev[k])
             w = self.units(r)
             positive = np.isfinite(r) & (w > 0)
             count = int(positive.sum())
             if count == 0:
-                continue
-            if count <= PAIR_VARIABLE_LIMIT:
-                for a, b in zip(*np.nonzero(positive)):
-                    y = self.model.new_bool_var("")
-                    self.model.add_bool_or([self.x[u][a].Not(), self.x[v][b].Not(), y])
-                    self.pairs.append((k, int(a), int(b), y))
-                    self.terms.append((y, int(w[a, b])))
                 continue
             rows_are_u = r.shape[0] <= r.shape[1]
             wt = w if rows_are_u else w.T
@@ -275,13 +266,10 @@ class CpSatEncoding:
     # -- hints and decoding --------------------------------------------------------------
 
     def add_hint(self, assignment: np.ndarray) -> None:
-        """A complete hint: node choices, pair Booleans and edge cost variables."""
+        """A complete hint: node choices and edge cost variables."""
         for i, xs in enumerate(self.x):
             for s, var in enumerate(xs):
                 self.model.add_hint(var, int(s == assignment[i]))
-        for k, a, b, y in self.pairs:
-            u, v = int(self.flat.eu[k]), int(self.flat.ev[k])
-            self.model.add_hint(y, int(assignment[u] == a and assignment[v] == b))
         for k, ce, wt, rows_are_u in self.edge_cost_vars:
             u, v = int(self.flat.eu[k]), int(self.flat.ev[k])
             a, b = (assignment[u], assignment[v]) if rows_are_u else (assignment[v], assignment[u])
@@ -371,27 +359,42 @@ def solve_cpsat(
     return CpSatResult(None, math.inf, bound, "unknown", stats)
 
 
-def solve_neighbourhood(flat: Flat, hint: np.ndarray, limit: float, seed: int) -> tuple[np.ndarray | None, float, bool, float]:
-    """Solve a (sub)problem from a hint, which may be infeasible.
-
-    Returns (assignment or None, its cost, proven optimal, deterministic work charged).
-    """
-    full = flat
-    flat, maps = prune(flat)
-    hint = np.array([int(np.flatnonzero(m == h)[0]) if (m == h).any() else int(np.argmin(flat.costs[i]))
-                     for i, (m, h) in enumerate(zip(maps, hint))], dtype=np.int64)
-    hint_cost = evaluate(flat, hint)
-    encoding = CpSatEncoding(flat, hint_cost)
-    encoding.add_hint(hint)
+def _neighbourhood_solver(limit: float, seed: int, wall_limit: float | None) -> cp_model.CpSolver:
+    """One worker, a deterministic limit, and a wall-clock net (``wall_limit`` caps it: the caller's net)."""
     solver = cp_model.CpSolver()
     params = solver.parameters
     params.catch_sigint_signal = False  # as in solve_cpsat
     params.random_seed = int(seed)
     params.num_workers = 1
     params.max_deterministic_time = float(limit)
-    params.max_time_in_seconds = WALL_FACTOR * float(limit) + 1.0
+    net = NEIGHBOURHOOD_WALL_FACTOR * float(limit) + NEIGHBOURHOOD_WALL_EXTRA
+    params.max_time_in_seconds = net if wall_limit is None else max(0.05, min(net, float(wall_limit)))
     params.symmetry_level = 0
     params.linearization_level = 0  # the LP relaxation costs more wall time than it saves on small neighbourhoods
+    return solver
+
+
+def _pruned_hint(flat: Flat, maps: tuple[np.ndarray, ...], hint: np.ndarray) -> np.ndarray:
+    """``hint`` in the pruned strategy indices (a pruned-away choice becomes the node's cheapest)."""
+    return np.array([int(np.flatnonzero(m == h)[0]) if (m == h).any() else int(np.argmin(flat.costs[i]))
+                     for i, (m, h) in enumerate(zip(maps, hint))], dtype=np.int64)
+
+
+def solve_neighbourhood(flat: Flat, hint: np.ndarray, limit: float, seed: int,
+                        wall_limit: float | None = None) -> tuple[np.ndarray | None, float, bool, float]:
+    """Solve a (sub)problem from a hint, which may be infeasible.
+
+    ``limit`` is CP-SAT's deterministic time; ``wall_limit`` the caller's
+    wall-clock net (seconds left), when it has one. Returns (assignment or
+    None, its cost, proven optimal, deterministic work charged).
+    """
+    full = flat
+    flat, maps = prune(flat)
+    hint = _pruned_hint(flat, maps, hint)
+    hint_cost = evaluate(flat, hint)
+    encoding = CpSatEncoding(flat, hint_cost)
+    encoding.add_hint(hint)
+    solver = _neighbourhood_solver(limit, seed, wall_limit)
     status = solver.solve(encoding.model)
     used = NEIGHBOURHOOD_FACTOR * solver.deterministic_time + CHARGE_PER_STEP + CHARGE_PER_TERM * encoding.size
     if status in (cp_model.OPTIMAL, cp_model.FEASIBLE):
@@ -401,285 +404,25 @@ def solve_neighbourhood(flat: Flat, hint: np.ndarray, limit: float, seed: int) -
     return None, math.inf, False, used
 
 
-def _moved_profile(flat: Flat, prof: np.ndarray, free: np.ndarray, old: np.ndarray, new: np.ndarray) -> np.ndarray:
-    """The memory profile after nodes ``free`` move from strategies ``old`` to ``new``."""
-    delta = np.zeros(len(flat.capacity) + 1)
-    change = np.array([flat.usages[i][b] - flat.usages[i][a] for i, a, b in zip(free, old, new)])
-    np.add.at(delta, flat.seg_start[free], change)
-    np.add.at(delta, flat.seg_end[free], -change)
-    return prof + np.cumsum(delta)[:-1]
+def solve_feasibility(flat: Flat, hint: np.ndarray, limit: float, seed: int,
+                      wall_limit: float | None = None) -> tuple[np.ndarray | None, str, float]:
+    """Any assignment that satisfies forbidden pairs and memory: CP-SAT without objective, pruned domains.
 
-
-def lns(
-    flat: Flat,
-    x: np.ndarray,
-    *,
-    budget: float,
-    seed: int = 0,
-    progress: Callable[[str, float, float], None] | None = None,
-    lower_bound: float = -math.inf,
-    offset: float = 0.0,
-    wall_limit: float | None = None,
-    guide: np.ndarray | None = None,
-    stop_below: float = -math.inf,
-    log: list | None = None,
-) -> tuple[np.ndarray, float, dict]:
-    """Large-neighbourhood search from a feasible ``x``: free a neighbourhood, solve it exactly, keep improvements.
-
-    Neighbourhoods alternate between graph balls and time windows (nodes live
-    around a binding memory segment, grown along edges). Their size adapts:
-    it grows after a neighbourhood is solved to optimality and shrinks after
-    a time-out. With ``guide`` (e.g. the rounded LP relaxation), one
-    neighbourhood in each round grows from nodes where ``x`` disagrees with it.
-    When forbidden pairs tie nodes into components (functional edges: one
-    node's strategy fixes another's), one neighbourhood per round is a whole
-    component, drawn by its excess cost, and the nodes around it: such
-    nodes can only change together. ``budget`` is deterministic work (CP-SAT deterministic time
-    plus a fixed charge per neighbourhood), so runs are reproducible;
-    ``wall_limit`` is a wall-clock safety net.
+    ``hint`` (e.g. least usage after a repair that left some forbidden
+    pairs) guides the search and is repaired (``repair_hint``). Returns
+    (assignment or None, CP-SAT's status name, deterministic work charged):
+    ``"INFEASIBLE"`` is a proof that no valid assignment exists.
     """
-    rng = np.random.default_rng(seed)
-    x = np.asarray(x, dtype=np.int64).copy()
-    cost = evaluate(flat, x)
-    decision = np.array([len(c) > 1 for c in flat.costs])
-    n_dec = int(decision.sum())
-    stats = {"lns_steps": 0, "lns_improvements": 0}
-    if n_dec == 0 or not math.isfinite(cost):
-        return x, cost, stats
-    started = time.perf_counter()
-    size = float(min(n_dec, 60))
-    step_limit = 0.5
-    spent = 0.0
-    prof = profile(flat, x) if len(flat.capacity) else None
-    step = 0
-    excess, excess_step = None, 0
-    kinds = [0, 1, 2] + ([3] if guide is not None else [])
-    comp = forbidden_components(flat)
-    spent += CHARGE_PER_ITEM * (flat.n + len(flat.tables))
-    if np.bincount(comp).max(initial=0) > 1:
-        kinds.append(4)
-    while spent < budget and cost >= stop_below:
-        if wall_limit is not None and time.perf_counter() - started > wall_limit:
-            break
-        kind = kinds[step % len(kinds)]
-        if kind in (2, 4):
-            if excess is None or step - excess_step >= 3 * len(kinds):  # a full pass: refreshed every third use
-                excess, excess_step = excess_costs(flat, x), step
-                spent += CHARGE_PER_ITEM * (flat.n + len(flat.tables))
-            weights = excess
-        elif kind == 3:  # nodes where the incumbent and the LP relaxation disagree
-            weights = (x != guide).astype(np.float64)
-            kind = 2
-        else:
-            weights = None
-        if kind == 4:
-            free = _component_neighbourhood(flat, int(size), rng, decision, comp, weights)
-        else:
-            free = neighbourhood(flat, int(size), rng, decision, kind, weights)
-        sub = subproblem(flat, free, x, prof)
-        before = evaluate(sub, x[free])
-        y, after, optimal, used = solve_neighbourhood(sub, x[free], min(step_limit, budget - spent + 1e-3), seed + step)
-        spent += used
-        step += 1
-        if log is not None:
-            log.append((kind, len(free), optimal, before - after if y is not None else 0.0, used))
-        if y is not None and after < before - 1e-9 * max(1.0, abs(before)):
-            if prof is not None:
-                prof = _moved_profile(flat, prof, free, x[free], y)
-            x[free] = y
-            cost += after - before
-            stats["lns_improvements"] += 1
-            if progress is not None:
-                progress("LNS", cost + offset, lower_bound)
-        if optimal:
-            size = min(float(n_dec), size * 1.15 + 1)
-        else:
-            size = max(8.0, size * 0.85)
-    cost = evaluate(flat, x)  # exact, without the rounding of the running sum
-    stats["lns_steps"] = step
-    stats["lns_final_size"] = int(size)
-    stats["lns_deterministic_s"] = round(spent, 3)
-    return x, cost, stats
-
-
-# -- repairing forbidden pairs ------------------------------------------------------------
-
-
-def forbidden_components(flat: Flat) -> np.ndarray:
-    """Per node, its component in the graph of edges that have a forbidden entry.
-
-    Forbidden pairs only couple nodes within one such component, so a
-    component can be made consistent on its own with every other node held.
-    """
-    forb = np.array([not np.isfinite(t).all() for t in flat.tables], dtype=bool)
-    return component_labels(flat.n, flat.eu[forb], flat.ev[forb])
-
-
-def violated_edges(flat: Flat, x: np.ndarray) -> np.ndarray:
-    """Indices of the edges whose chosen pair is forbidden in ``x``."""
-    return np.array([k for k, t in enumerate(flat.tables) if not np.isfinite(t[x[flat.eu[k]], x[flat.ev[k]]])],
-                    dtype=np.int64)
-
-
-def _ball(flat: Flat, seeds: list[int], allowed: np.ndarray, size: int) -> np.ndarray:
-    """Breadth-first ball of at most ``size`` nodes from ``seeds`` along edges, within ``allowed``."""
-    seen = np.zeros(flat.n, dtype=bool)
-    order = []
-    for s in seeds:
-        if not seen[s]:
-            seen[s] = True
-            order.append(s)
-    head = 0
-    while head < len(order) and len(order) < size:
-        i = order[head]
-        head += 1
-        for _, j, _ in flat.adj[i]:
-            if allowed[j] and not seen[j]:
-                seen[j] = True
-                order.append(j)
-                if len(order) >= size:
-                    break
-    return np.array(sorted(order), dtype=np.int64)
-
-
-def _component_neighbourhood(flat: Flat, size: int, rng: np.random.Generator, decision: np.ndarray,
-                             comp: np.ndarray, weights: np.ndarray) -> np.ndarray:
-    """The component (of forbidden-bearing edges) of a node drawn by ``weights``, grown along edges to ``size``.
-
-    A component larger than ``size`` gives a ball of ``size`` nodes inside it.
-    """
-    w = np.where(decision, weights, 0.0)
-    if float(w.sum()) <= 0:
-        w = decision.astype(np.float64)
-    seed = int(rng.choice(flat.n, p=w / w.sum()))
-    members = np.flatnonzero((comp == comp[seed]) & decision)
-    if len(members) >= size:
-        return _ball(flat, [seed], (comp == comp[seed]) & decision, size)
-    return _ball(flat, [seed] + [int(i) for i in members if i != seed], decision, size)
-
-
-def repair_forbidden(flat: Flat, x: np.ndarray, *, budget: float, seed: int = 0,
-                     wall_limit: float | None = None) -> tuple[np.ndarray, float, dict]:
-    """Make ``x`` free of forbidden pairs, one component of forbidden-bearing edges at a time.
-
-    ``x`` must respect memory (e.g. least usage, then ICM on the softened
-    problem). For every component holding a forbidden pair (in the order of
-    the edges that break one), its nodes (a ball around the pair when the component has more
-    than ``REPAIR_MAX_NODES``) are freed and solved exactly by CP-SAT with
-    everything else held, forbidden pairs and memory hard, the true costs as
-    objective. Every such component is visited whatever ``budget`` says
-    (it only sets how long each solve may take, at least 0.05 s): a valid
-    assignment matters more than the time limit. Returns the new assignment,
-    the deterministic work spent and stats (``repair_left``: forbidden pairs
-    still present).
-    """
-    started = time.perf_counter()
-    x = np.asarray(x, dtype=np.int64).copy()
-    stats = {"repair_components": 0, "repair_left": 0}
-    bad = violated_edges(flat, x)
-    if not len(bad):
-        return x, 0.0, stats
-    comp = forbidden_components(flat)
-    decision = np.array([len(c) > 1 for c in flat.costs])
-    prof = profile(flat, x) if len(flat.capacity) else None
-    spent = 0.0
-    done: set[int] = set()
-    for k in bad:
-        if wall_limit is not None and time.perf_counter() - started > wall_limit:
-            break  # only the wall-clock safety net stops it: the budget shapes each solve, not their number
-        u, v = int(flat.eu[k]), int(flat.ev[k])
-        if np.isfinite(flat.tables[k][x[u], x[v]]):
-            continue  # an earlier repair fixed it
-        c = int(comp[u])
-        members = (comp == c) & decision
-        if c in done or members.sum() > REPAIR_MAX_NODES:
-            free = _ball(flat, [u, v], decision, REPAIR_MAX_NODES)
-        else:
-            free = np.flatnonzero(members)
-        done.add(c)
-        if not len(free):
-            continue
-        sub = subproblem(flat, free, x, prof)
-        limit = min(1.0 + 0.01 * len(free), max(0.05, budget - spent))
-        y, _, _, used = solve_neighbourhood(sub, x[free], limit, seed + len(done))
-        spent += used
-        stats["repair_components"] += 1
-        if y is None:
-            continue
-        if prof is not None:
-            prof = _moved_profile(flat, prof, free, x[free], y)
-        x[free] = y
-    stats["repair_left"] = int(len(violated_edges(flat, x)))
-    stats["repair_deterministic_s"] = round(spent, 3)
-    return x, spent, stats
-
-
-def component_descent(flat: Flat, x: np.ndarray, *, budget: float, seed: int = 0, max_sweeps: int = 4,
-                      wall_limit: float | None = None) -> tuple[np.ndarray, float, float, dict]:
-    """Block coordinate descent over the components of forbidden-bearing edges.
-
-    Components are visited by decreasing excess cost (``excess_costs``); each
-    is freed with about ``DESCENT_GROW`` nodes around it (a ball of
-    ``DESCENT_MAX_NODES`` around its costliest node when bigger) and solved by
-    CP-SAT, everything else held. Functional edges make a component's nodes
-    change together, which single-node moves and random balls rarely manage:
-    on IOPDDL P one sweep halves the cost of the least-usage start. Sweeps
-    repeat (up to ``max_sweeps``) while one gains at least 0.1% and budget is left.
-    ``x`` must be feasible. Returns (assignment, cost, deterministic work, stats).
-    """
-    started = time.perf_counter()
-    x = np.asarray(x, dtype=np.int64).copy()
-    cost = evaluate(flat, x)
-    stats = {"descent_steps": 0, "descent_improvements": 0}
-    if not math.isfinite(cost):
-        return x, cost, 0.0, stats
-    comp = forbidden_components(flat)
-    decision = np.array([len(c) > 1 for c in flat.costs])
-    spent = CHARGE_PER_ITEM * (flat.n + len(flat.tables))
-    prof = profile(flat, x) if len(flat.capacity) else None
-    for sweep in range(max_sweeps):
-        swept = cost
-        x, cost, spent = _descent_sweep(flat, x, cost, comp, decision, prof, budget, spent, seed, stats, started, wall_limit)
-        if len(flat.capacity):
-            prof = profile(flat, x)
-        stats["descent_sweeps"] = sweep + 1
-        if spent >= budget or cost >= swept - 1e-3 * abs(swept):
-            break
-    cost = evaluate(flat, x)
-    stats["descent_deterministic_s"] = round(spent, 3)
-    return x, cost, spent, stats
-
-
-def _descent_sweep(flat: Flat, x: np.ndarray, cost: float, comp: np.ndarray, decision: np.ndarray,
-                   prof: np.ndarray | None, budget: float, spent: float, seed: int, stats: dict, started: float,
-                   wall_limit: float | None) -> tuple[np.ndarray, float, float]:
-    """One pass of ``component_descent`` (``x`` is updated in place); returns (x, cost, work spent so far)."""
-    excess = excess_costs(flat, x)
-    spent += CHARGE_PER_ITEM * (flat.n + len(flat.tables))
-    total = np.bincount(comp, weights=excess)
-    for c in np.argsort(-total, kind="stable"):
-        if total[c] <= 0 or spent >= budget:
-            break
-        if wall_limit is not None and time.perf_counter() - started > wall_limit:
-            break
-        inside = (comp == c) & decision
-        members = np.flatnonzero(inside)
-        if not len(members):
-            continue
-        if len(members) > DESCENT_MAX_NODES:
-            free = _ball(flat, [int(members[np.argmax(excess[members])])], inside, DESCENT_MAX_NODES)
-        else:
-            free = _ball(flat, [int(i) for i in members], decision, max(len(members), DESCENT_GROW))
-        sub = subproblem(flat, free, x, prof)
-        before = evaluate(sub, x[free])
-        limit = min(1.0, max(0.05, budget - spent))
-        y, after, _, used = solve_neighbourhood(sub, x[free], limit, seed + stats["descent_steps"])
-        spent += used
-        stats["descent_steps"] += 1
-        if y is not None and after < before - 1e-9 * max(1.0, abs(before)):
-            if prof is not None:
-                prof = _moved_profile(flat, prof, free, x[free], y)
-            x[free] = y
-            cost += after - before
-            stats["descent_improvements"] += 1
-    return x, cost, spent
+    full = flat
+    flat, maps = prune(flat)
+    encoding = CpSatEncoding(flat, math.inf, objective=False)
+    encoding.add_hint(_pruned_hint(flat, maps, hint))
+    solver = _neighbourhood_solver(limit, seed, wall_limit)
+    solver.parameters.repair_hint = True
+    status = solver.solve(encoding.model)
+    used = solver.deterministic_time + CHARGE_PER_STEP + CHARGE_PER_TERM * encoding.size
+    if status in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        x = np.array([m[s] for m, s in zip(maps, encoding.decode(solver))], dtype=np.int64)
+        if math.isfinite(evaluate(full, x)):
+            return x, solver.status_name(status), used
+    return None, solver.status_name(status), used

@@ -1,8 +1,9 @@
 """Fast warm starts for the strategy-selection problem, respecting memory.
 
-The solvers work on a :class:`Flat` view of a (reduced) ``Problem``: numpy
-arrays per node (``inf`` marks a forbidden choice), one table per edge, and
-the memory constraint compressed to the time segments where it can bind::
+The solvers work on the array form of a (reduced) ``Problem``
+(:class:`~shardsolve.encodings.flat.Flat`): numpy arrays per node (``inf``
+marks a forbidden choice), one table per edge, and the memory constraint
+compressed to the time segments where it can bind::
 
     sum_{i live in segment t} usage_i[s_i]  <=  limit - base[t]
 
@@ -23,154 +24,16 @@ Everything is deterministic: iteration counts, never wall-clock time, bound
 the work.
 """
 
+
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import numpy as np
 
-from shardsolve.problem import FORBIDDEN, Problem
+from shardsolve.encodings.flat import CHARGE_PER_ITEM, INF, Flat, evaluate, profile, tolerance
 
-__all__ = ["Flat", "flatten", "evaluate", "icm", "repair", "forest_descent", "warm_start", "softened", "subproblem", "prune", "least_usage"]
-
-INF = math.inf
-#: Deterministic charge (seconds) per node or edge visited by one Python pass (ICM sweep, evaluation).
-CHARGE_PER_ITEM = 1.5e-5
-
-
-@dataclass(frozen=True, slots=True, eq=False)
-class Flat:
-    """Array view of a Problem for the solvers (costs in the problem's units)."""
-
-    costs: tuple[np.ndarray, ...]  # [S_i], inf = forbidden
-    usages: tuple[np.ndarray, ...]  # [S_i]
-    eu: np.ndarray  # [E] first node of each edge
-    ev: np.ndarray  # [E]
-    tables: tuple[np.ndarray, ...]  # [S_u, S_v], inf = forbidden
-    adj: tuple[tuple[tuple[int, int, bool], ...], ...]  # per node: (edge, other node, node is the edge's u)
-    limit: float | None
-    seg_start: np.ndarray  # [N] first memory segment of each node (variable-usage nodes only)
-    seg_end: np.ndarray  # [N] one past the last segment; == seg_start when the node uses no segment
-    capacity: np.ndarray  # [T] limit - base usage, per segment
-    binding: tuple[int, ...]  # segments whose constraint is not implied by another's
-
-    @property
-    def n(self) -> int:
-        return len(self.costs)
-
-    def table(self, e: int, is_u: bool) -> np.ndarray:
-        """Edge ``e`` oriented with this node's strategies as rows."""
-        return self.tables[e] if is_u else self.tables[e].T
-
-    def live(self, t: int) -> np.ndarray:
-        return np.flatnonzero((self.seg_start <= t) & (self.seg_end > t))
-
-
-def _finite(costs: np.ndarray) -> np.ndarray:
-    c = np.asarray(costs, dtype=np.float64)
-    return np.where(c >= FORBIDDEN, INF, c)
-
-
-def flatten(problem: Problem) -> Flat:
-    """The array view, with the memory constraint on compressed, non-implied segments."""
-    n = len(problem.nodes)
-    costs = tuple(_finite(node.costs) for node in problem.nodes)
-    usages = tuple(np.asarray(node.usages, dtype=np.float64) for node in problem.nodes)
-    eu = np.array([e.u for e in problem.edges], dtype=np.int64)
-    ev = np.array([e.v for e in problem.edges], dtype=np.int64)
-    tables = tuple(_finite(e.costs) for e in problem.edges)
-    adj: list[list[tuple[int, int, bool]]] = [[] for _ in range(n)]
-    for k, e in enumerate(problem.edges):
-        adj[e.u].append((k, e.v, True))
-        adj[e.v].append((k, e.u, False))
-    limit = problem.usage_limit
-    starts = np.array([node.interval[0] for node in problem.nodes], dtype=np.int64)
-    ends = np.array([node.interval[1] for node in problem.nodes], dtype=np.int64)
-    live = ends > starts
-    if limit is None or not live.any():
-        zero = np.zeros(n, dtype=np.int64)
-        return Flat(costs, usages, eu, ev, tables, tuple(tuple(a) for a in adj), limit, zero, zero, np.zeros(0), ())
-    times = np.unique(np.concatenate([starts[live], ends[live]]))
-    seg_s = np.searchsorted(times, starts)
-    seg_e = np.searchsorted(times, ends)
-    seg_s[~live] = 0
-    seg_e[~live] = 0
-    horizon = len(times) - 1
-    umin = np.array([u.min() if len(u) else 0.0 for u in usages])
-    umax = np.array([u.max() if len(u) else 0.0 for u in usages])
-    variable = live & (umax > umin)
-    base_delta = np.zeros(horizon + 1)
-    np.add.at(base_delta, seg_s[live], umin[live])
-    np.add.at(base_delta, seg_e[live], -umin[live])
-    base = np.cumsum(base_delta)[:horizon]
-    capacity = limit - base  # room for the usage above each node's minimum
-    slack_delta = np.zeros(horizon + 1)
-    np.add.at(slack_delta, seg_s[variable], (umax - umin)[variable])
-    np.add.at(slack_delta, seg_e[variable], -(umax - umin)[variable])
-    worst = np.cumsum(slack_delta)[:horizon]
-    seg_s = np.where(variable, seg_s, 0)
-    seg_e = np.where(variable, seg_e, 0)
-    binding = _binding_segments(seg_s, seg_e, variable, capacity, worst)
-    # usages become "above the minimum" so that capacity is what remains for them
-    usages = tuple(u - m if v else np.zeros_like(u) for u, m, v in zip(usages, umin, variable))
-    return Flat(costs, usages, eu, ev, tables, tuple(tuple(a) for a in adj), limit, seg_s, seg_e, capacity, binding)
-
-
-def _binding_segments(seg_s, seg_e, variable, capacity, worst) -> tuple[int, ...]:
-    """Segments whose constraint can bind and is not implied by a neighbour's.
-
-    Segment ``t`` is implied by ``t+1`` when no variable node ends at the
-    boundary between them (live set of ``t`` within that of ``t+1``) and its
-    capacity is no smaller; symmetrically for ``t-1``. Chains of implications
-    leave their last member; ties keep the earliest.
-    """
-    horizon = len(capacity)
-    if horizon == 0:
-        return ()
-    ends_at = np.zeros(horizon + 1, dtype=np.int64)
-    np.add.at(ends_at, seg_e[variable], 1)
-    starts_at = np.zeros(horizon + 1, dtype=np.int64)
-    np.add.at(starts_at, seg_s[variable], 1)
-    keep = worst > capacity * (1 + 1e-12) + 1e-9
-    t = np.arange(horizon)
-    # implied by the next segment: nothing ends at boundary t+1, capacity(t) >= capacity(t+1)
-    nxt = np.zeros(horizon, dtype=bool)
-    nxt[:-1] = (ends_at[1:horizon] == 0) & (capacity[:-1] >= capacity[1:])
-    # implied by the previous one: nothing starts at boundary t, capacity(t) > capacity(t-1) (strict: ties kept once)
-    prv = np.zeros(horizon, dtype=bool)
-    prv[1:] = (starts_at[1:horizon] == 0) & (capacity[1:] > capacity[:-1])
-    keep &= ~nxt & ~prv
-    # identical neighbours (both directions, equal capacity): keep the first of the run
-    return tuple(int(x) for x in t[keep])
-
-
-# -- evaluation and memory ----------------------------------------------------------
-
-
-def evaluate(flat: Flat, x: np.ndarray) -> float:
-    """Cost of ``x`` (``inf`` if forbidden or over the memory limit)."""
-    total = float(sum(c[s] for c, s in zip(flat.costs, x)))
-    for k, t in enumerate(flat.tables):
-        total += float(t[x[flat.eu[k]], x[flat.ev[k]]])
-    if not math.isfinite(total):
-        return INF
-    if len(flat.capacity) and np.any(profile(flat, x) > flat.capacity + 1e-9 * np.abs(flat.capacity).max()):
-        return INF
-    return total
-
-
-def profile(flat: Flat, x: np.ndarray) -> np.ndarray:
-    horizon = len(flat.capacity)
-    delta = np.zeros(horizon + 1)
-    use = np.array([u[s] for u, s in zip(flat.usages, x)])
-    np.add.at(delta, flat.seg_start, use)
-    np.add.at(delta, flat.seg_end, -use)
-    return np.cumsum(delta)[:horizon]
-
-
-def _tolerance(flat: Flat) -> float:
-    return 1e-9 * float(np.abs(flat.capacity).max()) if len(flat.capacity) else 0.0
+__all__ = ["icm", "repair", "forest_descent", "warm_start", "least_usage", "OneNodeMoves"]
 
 
 # -- local search ----------------------------------------------------------------------
@@ -187,7 +50,7 @@ def icm(flat: Flat, x: np.ndarray, sweeps: int = 10) -> np.ndarray:
     """Iterated conditional modes keeping memory within the limit (``x`` must be feasible)."""
     x = x.copy()
     prof = profile(flat, x) if len(flat.capacity) else np.zeros(0)
-    tol = _tolerance(flat)
+    tol = tolerance(flat)
     order = np.arange(flat.n)
     for _ in range(sweeps):
         moved = 0
@@ -217,7 +80,7 @@ def repair(flat: Flat, x: np.ndarray, rounds: int = 10_000) -> np.ndarray:
     if not len(flat.capacity):
         return x
     prof = profile(flat, x)
-    tol = _tolerance(flat)
+    tol = tolerance(flat)
     for _ in range(rounds):
         over = prof - flat.capacity
         t = int(np.argmax(over))
@@ -376,193 +239,156 @@ def warm_start(flat: Flat, seed: int = 0, rounds: int = 12, x0: np.ndarray | Non
     return best, best_cost
 
 
-# -- neighbourhoods for large-neighbourhood search -------------------------------------------
+
+# -- vectorised one-node moves ---------------------------------------------------------------
 
 
-def subproblem(flat: Flat, free: np.ndarray, x: np.ndarray, prof: np.ndarray | None = None) -> Flat:
-    """The problem over the nodes ``free`` with every other node held at ``x``.
+#: ``OneNodeMoves`` is not built when the edge tables hold more entries than this (a copy of them is made).
+MOVES_MAX_ENTRIES = 60_000_000
+#: Deterministic charge (seconds) per strategy and table-row entry touched by one round of moves.
+CHARGE_PER_ENTRY = 2e-8
 
-    Edges to held nodes become node costs; memory capacities lose the held
-    nodes' usage (``prof`` is ``profile(flat, x)`` when the caller keeps it).
-    Segments implied in ``flat`` stay implied, so ``binding`` is a subset.
+
+class OneNodeMoves:
+    """Iterated conditional modes for all nodes at once, in numpy: rounds of simultaneous one-node moves.
+
+    A round computes every strategy's local cost (node cost plus the incident
+    edges' entries towards the neighbours' current strategies) with two
+    ``bincount`` calls over precomputed indices, the memory room of every node
+    (the least free capacity over its interval, from a sparse table of range
+    minima, plus its own usage), and each node's best allowed strategy. The
+    nodes that gain and beat every gaining neighbour (larger gain, ties to the
+    lower index) move together: no two movers share an edge, so the cost falls
+    by exactly the sum of their gains. Movers that raise usage in a segment
+    left over capacity are moved back (all but the best when that would leave
+    none: alone it fits), so every round keeps the assignment valid. Rounds
+    stop when nothing gains or after ``rounds``; the work is charged per
+    entry touched, so the result does not depend on the clock.
     """
-    free = np.asarray(free, dtype=np.int64)
-    index = np.full(flat.n, -1, dtype=np.int64)
-    index[free] = np.arange(len(free))
-    costs = []
-    sub_edges: list[tuple[int, int, int]] = []
-    for k, i in enumerate(free):
-        c = flat.costs[i].copy()
-        for e, j, is_u in flat.adj[i]:
-            if index[j] < 0:
-                c += flat.tables[e][:, x[j]] if is_u else flat.tables[e][x[j], :]
-            elif is_u:
-                sub_edges.append((e, k, int(index[j])))
-        costs.append(c)
-    eu = np.array([a for _, a, _ in sub_edges], dtype=np.int64)
-    ev = np.array([b for _, _, b in sub_edges], dtype=np.int64)
-    tables = tuple(flat.tables[e] for e, _, _ in sub_edges)
-    adj: list[list[tuple[int, int, bool]]] = [[] for _ in free]
-    for k, (_, a, b) in enumerate(sub_edges):
-        adj[a].append((k, b, True))
-        adj[b].append((k, a, False))
-    seg_s, seg_e = flat.seg_start[free], flat.seg_end[free]
-    if len(flat.capacity):
-        if prof is None:
-            prof = profile(flat, x)
-        delta = np.zeros(len(flat.capacity) + 1)
-        use = np.array([flat.usages[i][x[i]] for i in free])
-        np.add.at(delta, seg_s, use)
-        np.add.at(delta, seg_e, -use)
-        held = prof - np.cumsum(delta)[:-1]
-        capacity = flat.capacity - held
-        touched = np.zeros(len(flat.capacity) + 1, dtype=np.int64)
-        np.add.at(touched, seg_s, 1)
-        np.add.at(touched, seg_e, -1)
-        live_count = np.cumsum(touched)[:-1]
-        # a segment binds only if the free nodes' largest usages can exceed what the held ones leave
-        top = np.array([float(flat.usages[i].max()) if len(flat.usages[i]) else 0.0 for i in free])
-        wdelta = np.zeros(len(flat.capacity) + 1)
-        np.add.at(wdelta, seg_s, top)
-        np.add.at(wdelta, seg_e, -top)
-        worst = np.cumsum(wdelta)[:-1]
-        tb = np.asarray(flat.binding, dtype=np.int64)
-        cand = tb[(live_count[tb] > 0) & (worst[tb] > capacity[tb] + _tolerance(flat))] if len(tb) else tb
-        if len(cand):
-            # the live set of free nodes only changes at their boundaries: one
-            # constraint per region between boundaries, the tightest one
-            bounds_ = np.unique(np.concatenate([seg_s, seg_e]))
-            region = np.searchsorted(bounds_, cand, side="right")
-            order = np.lexsort((capacity[cand], region))
-            first = np.ones(len(order), dtype=bool)
-            first[1:] = region[order][1:] != region[order][:-1]
-            binding = tuple(int(t) for t in np.sort(cand[order][first]))
-        else:
-            binding = ()
-    else:
-        capacity, binding = flat.capacity, ()
-    return Flat(tuple(costs), tuple(flat.usages[i] for i in free), eu, ev, tables,
-                tuple(tuple(a) for a in adj), flat.limit, seg_s, seg_e, capacity, binding)
 
+    def __init__(self, flat: Flat):
+        self.flat = flat
+        sizes = np.array([len(c) for c in flat.costs], dtype=np.int64)
+        self.sizes = sizes
+        self.offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
+        self.node_of = np.repeat(np.arange(flat.n), sizes)
+        self.costs = np.concatenate(flat.costs) if flat.n else np.zeros(0)
+        self.usages = np.concatenate(flat.usages) if flat.n else np.zeros(0)
+        self.decision = sizes > 1
+        eu, ev = flat.eu.astype(np.int64), flat.ev.astype(np.int64)
+        su, sv = sizes[eu], sizes[ev]
+        tsize = su * sv
+        toff = np.concatenate([[0], np.cumsum(tsize)[:-1]]).astype(np.int64)
+        self.table = np.concatenate([t.ravel() for t in flat.tables]) if len(flat.tables) else np.zeros(0)
+        # u side: entry (edge k, row a) adds table_k[a, x_v] to strategy a of u
+        k_u = np.repeat(np.arange(len(eu)), su)
+        a = np.arange(int(su.sum())) - np.repeat(np.concatenate([[0], np.cumsum(su)[:-1]]), su)
+        self.u_target = self.offsets[eu][k_u] + a
+        self.u_base = toff[k_u] + a * sv[k_u]
+        self.u_other = ev[k_u]
+        # v side: entry (edge k, column b) adds table_k[x_u, b] to strategy b of v
+        k_v = np.repeat(np.arange(len(ev)), sv)
+        b = np.arange(int(sv.sum())) - np.repeat(np.concatenate([[0], np.cumsum(sv)[:-1]]), sv)
+        self.v_target = self.offsets[ev][k_v] + b
+        self.v_base = toff[k_v] + b
+        self.v_other = eu[k_v]
+        self.v_stride = sv[k_v]
+        self.round_charge = CHARGE_PER_ENTRY * (len(self.costs) + len(self.u_target) + len(self.v_target)) \
+            + CHARGE_PER_ITEM * 0.1 * (flat.n + len(flat.tables))
 
-def excess_costs(flat: Flat, x: np.ndarray) -> np.ndarray:
-    """Per node: what it pays in ``x`` (node cost plus half of each incident edge) above its cheapest option."""
-    out = np.zeros(flat.n)
-    for i in range(flat.n):
-        c = flat.costs[i]
-        out[i] = c[x[i]] - c.min()
-    for k, t in enumerate(flat.tables):
-        u, v = int(flat.eu[k]), int(flat.ev[k])
-        extra = t[x[u], x[v]] - t.min()
-        out[u] += 0.5 * extra
-        out[v] += 0.5 * extra
-    return np.where(np.isfinite(out), np.maximum(out, 0.0), 0.0)
+    @staticmethod
+    def fits(flat: Flat) -> bool:
+        return sum(t.size for t in flat.tables) <= MOVES_MAX_ENTRIES
 
+    def local_costs(self, x: np.ndarray) -> np.ndarray:
+        """Every strategy's cost given the neighbours' current strategies in ``x``."""
+        m = len(self.costs)
+        out = self.costs.copy()
+        if len(self.u_target):
+            out += np.bincount(self.u_target, self.table[self.u_base + x[self.u_other]], minlength=m)
+            out += np.bincount(self.v_target, self.table[self.v_base + x[self.v_other] * self.v_stride], minlength=m)
+        return out
 
-def neighbourhood(flat: Flat, size: int, rng: np.random.Generator, decision: np.ndarray, kind: int,
-                  weights: np.ndarray | None = None) -> np.ndarray:
-    """About ``size`` decision nodes grown along edges from a seed.
+    def room(self, prof: np.ndarray, x: np.ndarray) -> np.ndarray:
+        """Per node, the usage it may take: its current usage plus the least free capacity over its interval."""
+        flat = self.flat
+        own = self.usages[self.offsets + x]
+        s0, s1 = flat.seg_start, flat.seg_end
+        out = np.full(flat.n, INF)
+        has = s1 > s0
+        if not len(flat.capacity) or not has.any():
+            return out
+        free = flat.capacity - prof
+        levels = [free]
+        while (1 << len(levels)) <= len(free):
+            prev, step = levels[-1], 1 << (len(levels) - 1)
+            levels.append(np.minimum(prev[:-step], prev[step:]))
+        length = (s1 - s0)[has]
+        k = np.floor(np.log2(length)).astype(np.int64)
+        lo = s0[has]
+        hi = s1[has] - (1 << k)
+        least = np.empty(len(lo))
+        for j in np.unique(k):
+            sel = k == j
+            least[sel] = np.minimum(levels[j][lo[sel]], levels[j][hi[sel]])
+        out[has] = least + own[has]
+        return out
 
-    Kind 0: a random node (a graph ball). Kind 1: the nodes live around a
-    random binding memory segment (a time window). Kind 2: a node drawn with
-    probability proportional to ``weights`` (e.g. ``excess_costs``).
-    """
-    candidates = np.flatnonzero(decision)
-    if len(candidates) <= size:
-        return candidates
-    chosen: list[int] = []
-    seen = np.zeros(flat.n, dtype=bool)
-    if kind == 1 and len(flat.binding):
-        t = flat.binding[int(rng.integers(len(flat.binding)))]
-        mid = 0.5 * (flat.seg_start + flat.seg_end)
-        dist = np.where(flat.seg_end > flat.seg_start, np.abs(mid - t) - 0.5 * (flat.seg_end - flat.seg_start), np.inf)
-        dist = np.where(decision, dist, np.inf)
-        order = np.argsort(dist, kind="stable")
-        seeds = [int(i) for i in order[: max(1, size // 2)] if np.isfinite(dist[i])]
-    elif kind == 2 and weights is not None and float(weights[decision].sum()) > 0:
-        w = np.where(decision, weights, 0.0)
-        seeds = [int(rng.choice(flat.n, p=w / w.sum()))]
-    else:
-        seeds = [int(candidates[rng.integers(len(candidates))])]
-    frontier = []
-    for s in seeds:
-        if not seen[s]:
-            seen[s] = True
-            chosen.append(s)
-            frontier.append(s)
-    while frontier and len(chosen) < size:
-        nxt = []
-        rng.shuffle(frontier)
-        for i in frontier:
-            for _, j, _ in flat.adj[i]:
-                if not seen[j] and decision[j]:
-                    seen[j] = True
-                    chosen.append(j)
-                    nxt.append(j)
-                    if len(chosen) >= size:
-                        break
-            if len(chosen) >= size:
+    def descend(self, x: np.ndarray, rounds: int = 50) -> tuple[np.ndarray, int, float]:
+        """Rounds of moves from a valid ``x``; returns (new assignment, rounds run, deterministic work)."""
+        flat = self.flat
+        x = np.asarray(x, dtype=np.int64).copy()
+        tol = tolerance(flat)
+        memory = len(flat.capacity) > 0
+        prof = profile(flat, x) if memory else np.zeros(0)
+        spent = 0.0
+        done = 0
+        for done in range(1, rounds + 1):
+            spent += self.round_charge
+            local = self.local_costs(x)
+            cur = self.offsets + x
+            allowed = local
+            if memory:
+                room = self.room(prof, x)
+                allowed = np.where(self.usages <= room[self.node_of] + tol, local, INF)
+            least = np.minimum.reduceat(allowed, self.offsets)
+            now = local[cur]
+            gain = now - least
+            cand = self.decision & np.isfinite(least) & (gain > 1e-9 * np.maximum(1.0, np.abs(now)))
+            if not cand.any():
                 break
-        frontier = nxt
-    while len(chosen) < size:  # disconnected: add random nodes
-        j = int(candidates[rng.integers(len(candidates))])
-        if not seen[j]:
-            seen[j] = True
-            chosen.append(j)
-    return np.array(sorted(chosen), dtype=np.int64)
+            both = cand[flat.eu] & cand[flat.ev]
+            eu, ev = flat.eu[both], flat.ev[both]
+            u_wins = (gain[eu] > gain[ev]) | ((gain[eu] == gain[ev]) & (eu < ev))
+            beaten = np.zeros(flat.n, dtype=bool)
+            beaten[ev[u_wins]] = True
+            beaten[eu[~u_wins]] = True
+            movers = np.flatnonzero(cand & ~beaten)
+            hit = np.flatnonzero((allowed == least[self.node_of]) & np.isin(self.node_of, movers))
+            first = np.unique(self.node_of[hit], return_index=True)[1]
+            best = hit[first]  # the first best strategy of each mover, in mover order
+            new = best - self.offsets[movers]
+            if memory:
+                change = self.usages[best] - self.usages[cur[movers]]
+                trial = _shifted_profile(flat, prof, movers, change)
+                over = trial > flat.capacity + tol
+                if over.any():
+                    count = np.concatenate([[0], np.cumsum(over)])
+                    covers = count[flat.seg_end[movers]] - count[flat.seg_start[movers]] > 0
+                    keep = ~(covers & (change > 0))
+                    if not keep.any():  # alone, the best of them fits (its room says so)
+                        keep[int(np.argmax(gain[movers]))] = True
+                    movers, new, change = movers[keep], new[keep], change[keep]
+                    trial = _shifted_profile(flat, prof, movers, change)
+                prof = trial
+            if not len(movers):
+                break
+            x[movers] = new
+        return x, done, spent
 
 
-def prune(flat: Flat) -> tuple[Flat, tuple[np.ndarray, ...]]:
-    """Drop strategies that cannot be part of a feasible assignment; returns the kept indices per node.
-
-    Forbidden node costs, rows of an edge with no finite entry towards the
-    other node's remaining strategies (to a fixpoint), and usages above the
-    capacity anywhere in the node's interval go.
-    """
-    keep = [np.isfinite(c) for c in flat.costs]
-    if len(flat.capacity):
-        for i in range(flat.n):
-            s0, s1 = flat.seg_start[i], flat.seg_end[i]
-            if s1 > s0:
-                keep[i] &= flat.usages[i] <= float(flat.capacity[s0:s1].min()) + _tolerance(flat)
-    finite = [np.isfinite(t) for t in flat.tables]
-    changed = True
-    while changed:
-        changed = False
-        for k, fin in enumerate(finite):
-            u, v = int(flat.eu[k]), int(flat.ev[k])
-            sub = fin & keep[u][:, None] & keep[v][None, :]
-            ku, kv = sub.any(axis=1) & keep[u], sub.any(axis=0) & keep[v]
-            if ku.sum() != keep[u].sum() or kv.sum() != keep[v].sum():
-                keep[u], keep[v] = ku, kv
-                changed = True
-    if any(not k.any() for k in keep):
-        keep = [np.ones(len(c), dtype=bool) for c in flat.costs]  # infeasible: leave it to the solver to say so
-    maps = tuple(np.flatnonzero(k) for k in keep)
-    costs = tuple(c[m] for c, m in zip(flat.costs, maps))
-    usages = tuple(u[m] for u, m in zip(flat.usages, maps))
-    tables = tuple(t[np.ix_(maps[int(flat.eu[k])], maps[int(flat.ev[k])])] for k, t in enumerate(flat.tables))
-    pruned = Flat(costs, usages, flat.eu, flat.ev, tables, flat.adj, flat.limit, flat.seg_start, flat.seg_end,
-                  flat.capacity, flat.binding)
-    return pruned, maps
-
-
-def softened(flat: Flat) -> tuple[Flat, float]:
-    """``flat`` with forbidden edge entries at a finite penalty ``M`` above any feasible cost.
-
-    Any assignment with cost below ``M`` in the softened problem is feasible
-    (memory stays a hard constraint), so a search started from an assignment
-    that breaks forbidden pairs (e.g. ``least_usage``) can stop once under ``M``.
-    """
-    top = 0.0
-    for c in flat.costs:
-        f = c[np.isfinite(c)]
-        top += float(f.max()) if len(f) else 0.0
-    for t in flat.tables:
-        f = t[np.isfinite(t)]
-        top += float(f.max()) if len(f) else 0.0
-    penalty = 2.0 * top + 1.0
-    tables = tuple(np.where(np.isfinite(t), t, penalty) for t in flat.tables)
-    soft = Flat(flat.costs, flat.usages, flat.eu, flat.ev, tables, flat.adj, flat.limit, flat.seg_start,
-                flat.seg_end, flat.capacity, flat.binding)
-    return soft, penalty
+def _shifted_profile(flat: Flat, prof: np.ndarray, nodes: np.ndarray, change: np.ndarray) -> np.ndarray:
+    delta = np.zeros(len(flat.capacity) + 1)
+    np.add.at(delta, flat.seg_start[nodes], change)
+    np.add.at(delta, flat.seg_end[nodes], -change)
+    return prof + np.cumsum(delta)[:-1]

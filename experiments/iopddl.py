@@ -70,7 +70,9 @@ def run_one(name: str, time_limit: float, console: Console) -> dict:
         "status": sol.status,
         "limit": time_limit,
         "stats": {k: st.get(k) for k in ("reduce_s", "lp_s", "lp_bound", "trws_passes", "trws_s", "trws_bound",
-                                          "warm_start_cost", "trws_start_cost", "lns_steps")},
+                                          "warm_start_cost", "trws_start_cost", "move_rounds", "descent_steps",
+                                          "lns_steps")},
+        "phases": st.get("phases", {}),
     }
 
 
@@ -129,7 +131,7 @@ def write(rows: list[dict], argv: list[str] | None, load_before: tuple[float, fl
         f" {load_after[0]:.1f} at the end.\n"
         "Time limits are the solver's deterministic work budget; `wall s` is the measured wall clock of\n"
         "`solve` (reading the file excluded). Gap = (cost - lower bound) / cost, with the lower bound\n"
-        "certified (the LP with memory where it fits, else TRW-S with memory relaxed). Valid:\n"
+        "certified (the LP with memory where it fits, from its duals, else TRW-S with memory relaxed). Valid:\n"
         "the contest's evaluation (`Problem.evaluate`) is finite and the peak usage is within the limit.\n\n"
     )
     footer = "\nFor P the best known cost is XLA's own auto-sharding result (651,833,115,436).\n"
@@ -141,37 +143,56 @@ def _num(value, spec: str = ",.0f") -> str:
 
 
 def stages(rows: list[dict]) -> str:
-    """Where each instance's bound and start came from (from ``Solution.stats``)."""
+    """Where each instance's bound and start came from, and where its time went (from ``Solution.stats``)."""
     lines = [
         "## Bounds and starts, per instance (from the solver's stats)\n",
-        "| instance | reduce s | LP s | LP bound | TRW-S passes | TRW-S s | TRW-S bound | heuristic start | TRW-S start | LNS steps |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| instance | reduce s | LP s | LP bound | TRW-S passes | TRW-S s | TRW-S bound | heuristic start | TRW-S start"
+        " | move rounds | descent steps | LNS steps |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         st = r["stats"]
         lines.append("| " + " | ".join([
             r["instance"], _num(st["reduce_s"], ".1f"), _num(st["lp_s"], ".1f"), _num(st["lp_bound"]),
             _num(st["trws_passes"], "d"), _num(st["trws_s"], ".1f"), _num(st["trws_bound"]),
-            _num(st["warm_start_cost"]), _num(st["trws_start_cost"]), _num(st["lns_steps"], "d"),
+            _num(st["warm_start_cost"]), _num(st["trws_start_cost"]), _num(st["move_rounds"], "d"),
+            _num(st["descent_steps"], "d"), _num(st["lns_steps"], "d"),
         ]) + " |")
+    names = [name for name in PHASES if any(name in r["phases"] for r in rows)]
+    lines += [
+        "\n## Where the time went (wall seconds / deterministic work seconds, per phase of `solve`)\n",
+        "| instance | reduce | " + " | ".join(names) + " |",
+        "|---|---|" + "---|" * len(names),
+    ]
+    for r in rows:
+        cells = [r["instance"], _num(r["stats"]["reduce_s"], ".1f")]
+        for name in names:
+            spent = r["phases"].get(name)
+            cells.append(f"{spent['wall_s']:.1f} / {spent['work_s']:.1f}" if spent else "-")
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
+#: The phases of ``encodings.solve``, in the order they run.
+PHASES = ("lp", "starts", "feasibility", "whole model", "bounds", "search")
+
+
 NOTES = """
-Notes. Where the LP fits (B, G) its rounding gives the start, and both are proven optimal (B: the
-LP optimum is integral and its rounding costs the LP value; G: CP-SAT on the whole model from that
-start). The "LP bound" column is the LP value less its certified error margin (HiGHS's tolerance,
-relative to the largest cost range, which is wide on B and G), so it sits well below the optimum
-there. Where the LP does not fit (V has 631k pair variables, K, P and S far more), the certified bound is
-TRW-S message passing with memory relaxed, run for a share (12%) of the budget: the distance from
-it to the cost is an upper limit on how far from optimal the plan is, not a measured distance, and
-part of it is the memory constraint the bound ignores. On V (up to 5,000 nodes) the warm starts
-also include TRW-S decodings of the costs plus a usage penalty, repaired for memory and forbidden
-pairs; on K, P and S those are skipped: repairing memory from a decoding took 190 s on S and gave
-a start 3.5 times the final cost. "Heuristic start" is the Lagrangian forest heuristic (up to
-5,000 nodes). The time limit is a deterministic work budget, calibrated for an idle machine; a
+Notes. Where the LP fits (B, G) its rounding gives the start; the LP bound is certified from HiGHS's
+duals (the Lagrangian of any duals is a valid bound whatever the solver's tolerances), so an
+integral LP proves optimality only when that certificate meets its cost, and otherwise CP-SAT on
+the whole model from the rounding proves it. Where the LP does not fit (V has 631k pair variables,
+K, P and S far more), the certified bound is TRW-S message passing with memory relaxed, run for a
+share (12%) of the budget: the distance from it to the cost is an upper limit on how far from
+optimal the plan is, not a measured distance, and part of it is the memory constraint the bound
+ignores. On V (up to 5,000 nodes) the warm starts also include TRW-S decodings of the costs plus a
+usage penalty, repaired for memory and forbidden pairs; on K, P and S the start is least usage,
+ICM on the softened problem and an exact repair of every component of forbidden-bearing edges,
+then vectorised one-node moves, component descent, moves again, and CP-SAT large-neighbourhood
+search. The time limit is a deterministic work budget, calibrated for an idle machine; a
 wall-clock safety net at 1.05 times the limit plus 1 s stops the search on a loaded one (then the
-result depends on the load), and the final lift and evaluation add a few seconds on K, P and S.
+result depends on the load: compare the wall and work columns above), and the final lift and
+evaluation add a few seconds on K, P and S.
 """
 
 K_PROFILE = """

@@ -1,4 +1,4 @@
-"""Read and write IOPDDL contest instances, and solve them from the command line.
+"""Read and write IOPDDL contest instances and their answers.
 
 The ASPLOS 2025 IOPDDL contest published real strategy-selection problems from
 XLA's auto-sharding pass in this (optionally gzip-compressed) JSON format::
@@ -14,8 +14,9 @@ XLA's auto-sharding pass in this (optionally gzip-compressed) JSON format::
 ``read_iopddl`` turns it into a :class:`~shardsolve.problem.Problem` (the same
 problem the planner builds), ``write_iopddl`` writes one back (pins folded into
 ``1e18`` costs, the contest's marker for a forbidden choice), and
-``solution_to_json`` gives the contest's answer format. ``run`` is what
-``shardsolve iopddl FILE [--time-limit S] [--out solution.json]`` calls.
+``solution_to_json`` gives the contest's answer format.
+``shardsolve iopddl FILE [--time-limit S] [--out solution.json]``
+(``shardsolve.cli.iopddl``) reads an instance, solves it and writes that answer.
 
 Malformed input raises :class:`~shardsolve.errors.ShardsolveError` with one line
 naming the file and the field, e.g.
@@ -28,18 +29,17 @@ import gzip
 import json
 import math
 import os
-import time
 import zlib
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from shardsolve.errors import Interrupted, ShardsolveError
+from shardsolve.errors import ShardsolveError
 from shardsolve.files import write_atomically
 from shardsolve.problem import FORBIDDEN, Edge, Node, Problem, Solution
 
-__all__ = ["read_iopddl", "write_iopddl", "solution_to_json", "problem_from_json", "problem_to_json", "run"]
+__all__ = ["read_iopddl", "write_iopddl", "solution_to_json", "time_spent", "problem_from_json", "problem_to_json"]
 
 
 # -- reading ------------------------------------------------------------------
@@ -195,102 +195,39 @@ def problem_to_json(problem: Problem) -> dict:
     return {"problem": out}
 
 
-def _write_atomically(path: Path, payload: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    write_atomically(path, payload)
-
-
 def write_iopddl(problem: Problem, path: str | os.PathLike) -> None:
     """Write ``problem`` in the contest format (gzip-compressed when the name ends in ``.gz``)."""
     path = Path(path)
     payload = json.dumps(problem_to_json(problem), separators=(",", ":")).encode()
     if path.suffix == ".gz":
         payload = gzip.compress(payload, mtime=0)
-    _write_atomically(path, payload)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_atomically(path, payload)
 
 
-def solution_to_json(problem: Problem, solution: Solution) -> dict:
-    """The contest's answer: one strategy index per node, plus cost, bound and status."""
+def solution_to_json(problem: Problem, solution: Solution, seconds: dict[str, float] | None = None) -> dict:
+    """The contest's answer: one strategy index per node, plus cost, bound and status.
+
+    ``seconds`` (e.g. ``{"read": 4.1, "reduce": 5.0, "search": 80.2}``, see
+    ``time_spent``) adds where the time went, as ``"seconds"``.
+    """
     cost = problem.evaluate(solution.assignment) if solution.assignment else math.inf
-    return {
+    out = {
         "solution": [int(s) for s in solution.assignment],
         "cost": _number(cost) if math.isfinite(cost) else None,
         "lower_bound": _number(solution.lower_bound) if math.isfinite(solution.lower_bound) else None,
         "status": solution.status,
     }
+    if seconds is not None:
+        out["seconds"] = {k: round(float(v), 3) for k, v in seconds.items()}
+    return out
 
 
-# -- command line ---------------------------------------------------------------
-
-
-def _keep_interrupted(problem: Problem, interrupt: Interrupted, out, console) -> None:
-    """Write an interrupted search's best solution (if any, and ``out`` is given); one line says which."""
-    best = interrupt.solution
-    if best is None:
-        line = "interrupted: no complete solution yet; nothing written"
-    else:
-        gap = f"{best.gap:.2%}" if math.isfinite(best.gap) else "unknown"
-        what = f"best solution so far (cost {best.cost:,.0f}, gap {gap})"
-        if out is None:
-            line = f"interrupted: {what} not written (no --out given)"
-        else:
-            _write_atomically(Path(out), json.dumps(solution_to_json(problem, best), indent=None).encode())
-            line = f"interrupted: {what} written to {out} with status interrupted"
-    console.print(line, markup=False, soft_wrap=True)
-    interrupt.reported = True
-
-
-def run(path: str | os.PathLike, time_limit: float | None = None, out: str | os.PathLike | None = None, console=None) -> int:
-    """Solve one contest instance and print cost, lower bound and gap.
-
-    Arguments: ``path`` the instance (``.json`` or ``.json.gz``); ``time_limit``
-    seconds for the search (``None``: 60); ``out`` where to write the answer JSON
-    (see :func:`solution_to_json`; written atomically), or ``None``; ``console`` a
-    ``rich.console.Console`` (a new one when ``None``).
-
-    Returns the exit status: 0 when a valid solution was found, 1 when none was
-    (infeasible or out of time); bad input raises ``ShardsolveError`` (the CLI
-    prints its one-line message and exits with 2). Ctrl-C (or SIGTERM in the
-    CLI) writes the best solution so far to ``out`` with status
-    ``"interrupted"``, or nothing when there is none, says which in one line
-    and re-raises ``errors.Interrupted``.
-    """
-    from rich.console import Console
-    from rich.table import Table
-
-    from shardsolve.encodings import solve
-
-    console = console or Console()
-    started = time.perf_counter()
-    problem = read_iopddl(path)
-    console.print(
-        f"[bold]{Path(path).name}[/]: {len(problem.nodes):,} nodes, {len(problem.edges):,} edges, "
-        f"{problem.num_strategies:,} strategies, usage limit {problem.usage_limit if problem.usage_limit is not None else 'none'}"
-    )
-    limit = 60.0 if time_limit is None else float(time_limit)
-    with console.status("solving", spinner="dots") as status:
-
-        def progress(message: str, best: float, bound: float) -> None:
-            gap = f"{(best - bound) / best:.2%}" if math.isfinite(best) and best > 0 else "-"
-            status.update(f"{message}: cost {best:,.0f}, bound {bound:,.0f}, gap {gap}  [{time.perf_counter() - started:.0f}s]")
-
-        try:
-            solution = solve(problem, time_limit=limit, progress=progress)
-        except Interrupted as interrupt:
-            _keep_interrupted(problem, interrupt, out, console)
-            raise
-    cost = problem.evaluate(solution.assignment) if solution.assignment else math.inf
-    table = Table(show_header=False)
-    table.add_row("status", solution.status)
-    table.add_row("cost", f"{cost:,.0f}" if math.isfinite(cost) else "no valid solution")
-    table.add_row("lower bound", f"{solution.lower_bound:,.0f}")
-    table.add_row("gap", f"{solution.gap:.3%}" if math.isfinite(solution.gap) else "-")
-    table.add_row("time", f"{time.perf_counter() - started:.1f} s")
-    if solution.conflict:
-        table.add_row("conflict", ", ".join(solution.conflict))
-    console.print(table)
-    if out is not None:
-        payload = json.dumps(solution_to_json(problem, solution), indent=None).encode()
-        _write_atomically(Path(out), payload)
-        console.print(f"wrote {out}")
-    return 0 if math.isfinite(cost) else 1
+def time_spent(solution: Solution, read_s: float | None = None) -> dict[str, float]:
+    """Wall seconds per stage: reading the file (``read_s``), the reductions, then each phase of ``solve``."""
+    stats = solution.stats or {}
+    out = {} if read_s is None else {"read": read_s}
+    if "reduce_s" in stats:
+        out["reduce"] = stats["reduce_s"]
+    out.update({name: spent["wall_s"] for name, spent in stats.get("phases", {}).items()})
+    return out

@@ -6,7 +6,7 @@
 The stages: ``trace`` (the program as a closed jaxpr), ``graph`` (values and
 operations), ``annotations`` (pins from ``in_shardings``/``out_shardings``),
 ``build`` (the strategy-selection ``Problem``), ``encodings`` (the solver; with
-layer tying from ``tying`` where the program repeats itself), then
+layer tying from ``encodings.tying`` where the program repeats itself), then
 ``to_plan``: every op's ``OpPlan``, the reshard schedule and its price.
 """
 
@@ -25,6 +25,7 @@ import numpy as np
 import shardsolve.encodings as encodings
 from shardsolve.annotations import argument_pins, carry_pairs, output_pins
 from shardsolve.build import BuildOptions, Built, build_problem, tie_axes
+from shardsolve.encodings.tying import solve_tied
 from shardsolve.errors import InfeasibleError, Interrupted, ShardsolveError
 from shardsolve.flax import logical_names
 from shardsolve.graph import Graph, Lit
@@ -35,7 +36,6 @@ from shardsolve.problem import MEMORY_LIMIT_LABEL
 from shardsolve.schedule import build_schedule
 from shardsolve.sharding import Sharding
 from shardsolve.trace import abstractify, trace
-from shardsolve.tying import solve_tied
 from shardsolve.units import format_bytes, parse_memory_limit
 
 # -- solution -> plan --------------------------------------------------------

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from shardsolve.errors import ShardsolveError
-from shardsolve.iopddl import problem_from_json, read_iopddl, run, solution_to_json, write_iopddl
+from shardsolve.cli.iopddl import solve_instance
+from shardsolve.iopddl import problem_from_json, read_iopddl, solution_to_json, write_iopddl
 from shardsolve.problem import FORBIDDEN, Edge, Node, Pin, Problem, Solution
 
 IOPDDL_DIR = Path(__file__).resolve().parents[2] / "shared" / "iopddl"
@@ -167,7 +168,7 @@ def test_run_writes_answer_atomically(tmp_path):
     src = write_json(tmp_path, example())
     out = tmp_path / "answer.json"
     console = Console(file=open(tmp_path / "log.txt", "w"), width=100)
-    assert run(src, time_limit=1.0, out=out, console=console) == 0
+    assert solve_instance(src, time_limit=1.0, out=out, console=console) == 0
     answer = json.loads(out.read_text())
     assert answer["status"] == "optimal"
     p = read_iopddl(src)
@@ -182,5 +183,18 @@ def test_run_reports_infeasible(tmp_path):
 
     console = Console(file=open(tmp_path / "log.txt", "w"), width=100)
     out = tmp_path / "answer.json"
-    assert run(write_json(tmp_path, data), time_limit=1.0, out=out, console=console) == 1
+    assert solve_instance(write_json(tmp_path, data), time_limit=1.0, out=out, console=console) == 2
     assert json.loads(out.read_text())["status"] == "infeasible"
+
+
+def test_answer_says_where_the_time_went(tmp_path):
+    from rich.console import Console
+
+    src = write_json(tmp_path, example())
+    out = tmp_path / "answer.json"
+    log = tmp_path / "log.txt"
+    with open(log, "w") as f:
+        assert solve_instance(src, time_limit=1.0, out=out, console=Console(file=f, width=100), verbose=True) == 0
+    seconds = json.loads(out.read_text())["seconds"]
+    assert {"read", "reduce"} <= set(seconds) and all(v >= 0 for v in seconds.values())
+    assert "where the time went" in log.read_text()

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from shardsolve.errors import InfeasibleError
 from shardsolve.problem import FORBIDDEN, Edge, Node, Pin, Problem
-from shardsolve.reductions import (
+from shardsolve.encodings.presolve import (
     drop_dominated,
     eliminate_low_degree,
     fold_and_eliminate,

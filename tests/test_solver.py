@@ -10,9 +10,10 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from shardsolve.encodings import explain_infeasible, solve
-from shardsolve.encodings import bounds, heuristics, smt
-from shardsolve.encodings.cpsat import reduce_table, solve_cpsat
+from shardsolve.encodings import bounds, explain_infeasible, heuristics, portfolio, search, smt, solve
+from shardsolve.encodings.cpsat import reduce_table, solve_cpsat, solve_feasibility
+from shardsolve.encodings.flat import evaluate, flatten, softened
+from shardsolve.encodings.presolve import reduce, restrict
 from shardsolve.problem import FORBIDDEN, MEMORY_LIMIT_LABEL, Edge, Node, Pin, Problem
 from test_reductions import brute_force, small_problems
 
@@ -88,9 +89,7 @@ def test_lower_bounds_are_valid(problem):
     if opt == math.inf:
         return
     free = Problem(problem.nodes, problem.edges, problem.usage_limit, (), problem.name)
-    from shardsolve.reductions import restrict
-
-    flat = heuristics.flatten(restrict(problem)[0])
+    flat = flatten(restrict(problem)[0])
     tol = 1e-9 * max(1.0, abs(opt))
     assert bounds.trivial_bound(flat) <= opt + tol
     assert bounds.dual_bound(flat, iterations=30) <= opt + tol
@@ -105,7 +104,7 @@ def test_dual_and_lp_bounds_below_optimum(problem):
     sol = solve(problem, time_limit=10)
     if sol.status != "optimal":
         return
-    flat = heuristics.flatten(problem)
+    flat = flatten(problem)
     assert bounds.dual_bound(flat, iterations=50) <= sol.cost * (1 + 1e-9) + 1e-9
     assert bounds.lp_bound(flat) <= sol.cost * (1 + 1e-9) + 1e-9
 
@@ -129,7 +128,7 @@ def random_trees(draw, max_nodes: int = 7) -> Problem:
 @given(random_trees())
 def test_trws_bound_is_exact_on_trees(problem):
     opt, _ = brute_force(problem)
-    bound, _, _ = bounds.trws_bound(heuristics.flatten(problem), passes=60)
+    bound, _, _ = bounds.trws_bound(flatten(problem), passes=60)
     assert bound <= opt + 1e-9 * max(1.0, opt)
     assert bound == pytest.approx(opt, rel=1e-6, abs=1e-6)
 
@@ -137,16 +136,14 @@ def test_trws_bound_is_exact_on_trees(problem):
 @settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(sparse_problems(max_nodes=40))
 def test_trws_warm_start_is_valid_after_repair(problem):
-    from shardsolve.encodings import _trws_starts
-
-    flat = heuristics.flatten(problem)
-    x, cost, work = _trws_starts(flat, math.inf, seed=0)
+    flat = flatten(problem)
+    x, cost, work = search.trws_starts(flat, math.inf, seed=0)
     assert work > 0
     if x is None or not math.isfinite(cost):
         return
     assert cost == pytest.approx(problem.evaluate(tuple(int(s) for s in x)), rel=1e-9)
     assert problem.usage_limit is None or problem.peak_usage(tuple(int(s) for s in x)) <= problem.usage_limit + 1e-9
-    again = _trws_starts(flat, math.inf, seed=0)
+    again = search.trws_starts(flat, math.inf, seed=0)
     assert np.array_equal(again[0], x)  # deterministic
 
 
@@ -233,7 +230,7 @@ def test_tiny_problem_is_solved_exactly():
 
 
 def test_cpsat_never_worse_than_hint():
-    flat = heuristics.flatten(_grid_problem(80, seed=1))
+    flat = flatten(_grid_problem(80, seed=1))
     hint, cost = heuristics.warm_start(flat)
     result = solve_cpsat(flat, hint=hint, time_limit=0.2)
     assert result.cost <= cost
@@ -242,7 +239,7 @@ def test_cpsat_never_worse_than_hint():
 
 def test_warm_start_is_feasible():
     problem = _grid_problem(120, seed=2)
-    flat = heuristics.flatten(problem)
+    flat = flatten(problem)
     x, cost = heuristics.warm_start(flat)
     assert math.isfinite(cost)
     assert problem.evaluate(tuple(x)) == pytest.approx(cost)
@@ -321,26 +318,22 @@ def _planted_problem(n: int, seed: int, forbidden: float = 0.3) -> tuple[Problem
 @pytest.mark.parametrize("seed", range(6))
 def test_repair_removes_every_forbidden_pair(seed):
     """From least usage and ICM on the softened problem, the component repair leaves no forbidden pair."""
-    from shardsolve.encodings import cpsat
-
     problem, planted = _planted_problem(150, seed)
     assert math.isfinite(problem.evaluate(planted))
-    flat = heuristics.flatten(problem)
-    soft, _ = heuristics.softened(flat)
+    flat = flatten(problem)
+    soft, _ = softened(flat)
     start = heuristics.icm(soft, heuristics.least_usage(flat), sweeps=3)
-    x, used, stats = cpsat.repair_forbidden(flat, start, budget=20.0, seed=seed)
+    x, used, stats = search.repair_forbidden(flat, start, budget=20.0, seed=seed)
     assert stats["repair_left"] == 0
-    assert len(cpsat.violated_edges(flat, x)) == 0
+    assert len(search.violated_edges(flat, x)) == 0
     assert math.isfinite(problem.evaluate(tuple(int(s) for s in x)))
     assert used <= 20.0 + 1.0
 
 
 def test_forbidden_components_separate_forbidden_pairs():
     problem, _ = _planted_problem(80, seed=11)
-    flat = heuristics.flatten(problem)
-    from shardsolve.encodings import cpsat
-
-    comp = cpsat.forbidden_components(flat)
+    flat = flatten(problem)
+    comp = search.forbidden_components(flat)
     for k, t in enumerate(flat.tables):
         if not np.isfinite(t).all():
             assert comp[flat.eu[k]] == comp[flat.ev[k]]
@@ -359,13 +352,9 @@ def test_solve_finds_a_valid_assignment_under_a_tiny_budget(seed):
 
 def test_repair_path_is_deterministic(monkeypatch):
     """Forcing the large-problem path (no Python warm start, no LP): same answer twice, byte for byte."""
-    import shardsolve.encodings as enc
-
-    from shardsolve.reductions import reduce
-
     for name in ("TINY_NODES", "EXACT_NODES", "LARGE_NODES", "LP_MAX_NODES"):
-        monkeypatch.setattr(enc, name, 0)
-    monkeypatch.setattr(enc, "reduce", lambda p: reduce(p, max_rounds=0))  # restrict only
+        monkeypatch.setattr(portfolio, name, 0)
+    monkeypatch.setattr(portfolio, "reduce", lambda p: reduce(p, max_rounds=0))  # restrict only
     problem, _ = _planted_problem(200, seed=5)
     a = solve(problem, time_limit=0.05, seed=3)
     b = solve(problem, time_limit=0.05, seed=3)
@@ -375,18 +364,113 @@ def test_repair_path_is_deterministic(monkeypatch):
     assert math.isfinite(problem.evaluate(a.assignment))
 
 
-def test_component_descent_keeps_validity_and_never_worsens():
-    from shardsolve.encodings import cpsat
+def _without_timings(stats: dict) -> dict:
+    """Stats less wall-clock figures (``*_s`` keys, and the wall seconds of each phase)."""
+    out = {k: v for k, v in stats.items() if not k.endswith("_s") or "deterministic" in k}
+    if "phases" in out:
+        out["phases"] = {name: spent["work_s"] for name, spent in out["phases"].items()}
+    return out
 
+
+def test_time_limited_search_is_deterministic(monkeypatch):
+    """The whole large-problem path (repair, component descent, TRW-S bound, LNS) under a time limit, twice:
+    the same assignment, bound and search statistics, byte for byte.
+
+    Every decision is taken by deterministic work; only the wall-clock safety net (``1.05 * limit + 1`` s)
+    could end a run early, on a machine too loaded to do the work in time. The net is widened here so that
+    the test checks the decisions, whatever the load of the machine running the suite.
+    """
+    for name in ("TINY_NODES", "EXACT_NODES", "LARGE_NODES", "LP_MAX_NODES"):
+        monkeypatch.setattr(portfolio, name, 0)
+    monkeypatch.setattr(portfolio, "WALL_SLACK", 100.0)
+    monkeypatch.setattr(portfolio, "reduce", lambda p: reduce(p, max_rounds=0))  # restrict only
+    problem, _ = _planted_problem(300, seed=7)
+    a = solve(problem, time_limit=1.5, seed=1)
+    b = solve(problem, time_limit=1.5, seed=1)
+    assert a.stats["lns_steps"] > 0 and a.stats["descent_steps"] > 0  # the time-limited searches ran
+    assert a.status in ("optimal", "feasible")
+    assert a.assignment == b.assignment and a.cost == b.cost and a.lower_bound == b.lower_bound
+    assert _without_timings(a.stats) == _without_timings(b.stats)
+    assert set(a.stats["phases"]) >= {"starts", "feasibility", "bounds", "search"}
+
+
+def test_feasibility_search_when_repair_fails(monkeypatch):
+    """With ICM, the forbidden-pair repair and the softened search disabled, CP-SAT's feasibility model still
+    finds a valid assignment from least usage (forbidden pairs and memory hard, no objective)."""
+    for name in ("TINY_NODES", "EXACT_NODES", "LARGE_NODES", "LP_MAX_NODES"):
+        monkeypatch.setattr(portfolio, name, 0)
+    monkeypatch.setattr(heuristics, "icm", lambda flat, x, sweeps=10: x)
+    monkeypatch.setattr(search, "repair_forbidden",
+                        lambda flat, x, **kw: (x, 0.0, {"repair_components": 0, "repair_left": 1}))
+    monkeypatch.setattr(search, "lns", lambda flat, x, **kw: (x, evaluate(flat, x), {"lns_steps": 0}))
+    monkeypatch.setattr(portfolio, "reduce", lambda p: reduce(p, max_rounds=0))
+    problem, _ = _planted_problem(200, seed=4)
+    sol = solve(problem, time_limit=2.0, seed=0)
+    assert sol.stats["feasibility_status"] in ("FEASIBLE", "OPTIMAL")
+    assert sol.status in ("optimal", "feasible")
+    assert math.isfinite(problem.evaluate(sol.assignment))
+
+
+def test_feasibility_search_proves_infeasibility():
+    """Two nodes live at once, each using 1 of a limit of 1.5: the feasibility model proves that nothing fits."""
+    nodes = (Node("a", np.zeros(2), np.ones(2), (0, 1)), Node("b", np.zeros(2), np.ones(2), (0, 1)))
+    problem = Problem(nodes, (Edge(0, 1, np.array([[FORBIDDEN, 0.0], [0.0, FORBIDDEN]])),), 1.5)
+    x, status, used = solve_feasibility(flatten(problem), np.zeros(2, dtype=np.int64), 1.0, seed=0)
+    assert x is None and status == "INFEASIBLE" and used > 0
+
+
+def test_lp_certificate_is_tight_on_an_integral_lp():
+    """A tree: the LP is integral, and the bound certified from its duals meets the optimum."""
+    nodes = tuple(Node(f"n{i}", np.array([float(i % 3), 2.0, 1.0]), np.zeros(3)) for i in range(6))
+    edges = tuple(Edge(i, i + 1, np.array([[0.0, 3.0, 1.0], [2.0, 0.0, 4.0], [1.0, 1.0, 0.0]])) for i in range(5))
+    problem = Problem(nodes, edges)
+    opt, _ = brute_force(problem)
+    value, margin, _ = bounds.lp_solve(flatten(problem))
+    assert value - margin <= opt + 1e-12
+    assert value - margin == pytest.approx(opt, rel=1e-9)
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(sparse_problems(max_nodes=60))
+def test_vectorised_moves_keep_validity_and_never_worsen(problem):
+    """Simultaneous one-node moves from least usage (forbidden pairs softened, memory hard): still within
+    memory, never costlier, deterministic, and ending where no single node gains on its own (as ICM would)."""
+    flat, _ = softened(flatten(problem))
+    x0 = heuristics.least_usage(flat)
+    assume(math.isfinite(evaluate(flat, x0)))  # least usage fits memory unless nothing does
+    moves = heuristics.OneNodeMoves(flat)
+    x, rounds, work = moves.descend(x0, rounds=500)
+    cost = evaluate(flat, x)
+    assert cost <= evaluate(flat, x0) and math.isfinite(cost)
+    assert rounds < 500 and work > 0
+    assert evaluate(flat, heuristics.icm(flat, x, sweeps=1)) >= cost - 1e-9 * abs(cost)
+    again, _, _ = moves.descend(x0, rounds=500)
+    assert np.array_equal(again, x)
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(small_problems(max_nodes=6))
+def test_lagrangian_bound_is_valid_for_any_prices(problem):
+    """TRW-S on memory-priced costs, less the prices times the capacities, never exceeds the optimum."""
+    opt, _ = brute_force(problem)
+    if opt == math.inf:
+        return
+    flat = flatten(restrict(problem)[0])
+    for scale in (0.0, 0.1, 1.0, 10.0):
+        mu = np.full(len(flat.binding), scale)
+        assert bounds.lagrangian_bound(flat, mu, passes=30) <= opt + 1e-9 * max(1.0, abs(opt))
+
+
+def test_component_descent_keeps_validity_and_never_worsens():
     problem, _ = _planted_problem(150, seed=2)
-    flat = heuristics.flatten(problem)
-    soft, _ = heuristics.softened(flat)
-    start, _, _ = cpsat.repair_forbidden(flat, heuristics.icm(soft, heuristics.least_usage(flat), sweeps=3), budget=5.0)
-    before = heuristics.evaluate(flat, start)
+    flat = flatten(problem)
+    soft, _ = softened(flat)
+    start, _, _ = search.repair_forbidden(flat, heuristics.icm(soft, heuristics.least_usage(flat), sweeps=3), budget=5.0)
+    before = evaluate(flat, start)
     assert math.isfinite(before)
-    runs = [cpsat.component_descent(flat, start, budget=2.0, seed=1) for _ in range(2)]
+    runs = [search.component_descent(flat, start, budget=2.0, seed=1) for _ in range(2)]
     x, cost, used, stats = runs[0]
     assert cost <= before
-    assert cost == heuristics.evaluate(flat, x) == problem.evaluate(tuple(int(s) for s in x))
+    assert cost == evaluate(flat, x) == problem.evaluate(tuple(int(s) for s in x))
     assert stats["descent_steps"] > 0
     assert np.array_equal(runs[0][0], runs[1][0]) and runs[0][1] == runs[1][1]  # deterministic

@@ -10,13 +10,14 @@ from jax.sharding import PartitionSpec as P
 
 import shardsolve
 from shardsolve.encodings import solve
+from shardsolve.encodings.flat import flatten
+from shardsolve.encodings.presolve import reduce
+from shardsolve.encodings.tying import layer_classes, merge, origins, solve_tied, tie, trws_bound
 from shardsolve.graph import Graph
 from shardsolve.mesh import MeshSpec
 from shardsolve.planner import build_problem
 from shardsolve.problem import Edge, Node, Problem
-from shardsolve.reductions import reduce
 from shardsolve.trace import trace
-from shardsolve.tying import layer_classes, merge, origins, solve_tied, tie, trws_bound
 
 MESH = "data=2,model=4"
 N_LAYERS = 6
@@ -150,10 +151,8 @@ def test_trws_bound_is_a_bound_and_tight_on_a_tree():
     edges = tuple(Edge(i, 2 * i + 1 if 2 * i + 1 < 7 else 0, rng.random((3, 3))) for i in range(3))
     edges += tuple(Edge(i, 2 * i + 2, rng.random((3, 3))) for i in range(3))
     problem = Problem(nodes, edges)
-    from shardsolve.encodings import heuristics
-
     best = solve(problem, time_limit=10)
-    bound, _, _ = trws_bound(heuristics.flatten(problem), passes=40)
+    bound, _, _ = trws_bound(flatten(problem), passes=40)
     assert bound <= best.cost + 1e-12
     assert bound == pytest.approx(best.cost, rel=1e-9)  # a tree: the LP is tight and TRW-S reaches it
 

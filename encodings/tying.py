@@ -22,7 +22,7 @@ neighbourhood differs (the first layer reads the embedding) breaks the run
 and stays free. Only nodes with identical strategy lists are ever tied.
 
 **Tying** (``tie``) is done after the exact reductions of the *untied*
-problem (``shardsolve.reductions.reduce``): every surviving node of a class
+problem (``encodings.presolve.reduce``): every surviving node of a class
 gets an equality edge to the class's first surviving member (cost 0 where the
 two take the same original strategy, forbidden elsewhere). The solver's own
 ``fold_followers`` reduction then folds each member into its representative,
@@ -60,9 +60,14 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from shardsolve.problem import FORBIDDEN, Edge, Node, Problem, Solution
-from shardsolve.reductions import Reduced, component_labels
+# ``solve`` is called through the package so that a stand-in for it (tests/lower_cases.py) also plans tied problems
+from shardsolve import encodings
 from shardsolve.encodings.bounds import trws_bound
+from shardsolve.encodings.flat import evaluate, flatten
+from shardsolve.encodings.heuristics import icm
+from shardsolve.encodings.presolve import Reduced, component_labels, reduce
+from shardsolve.errors import InfeasibleError
+from shardsolve.problem import FORBIDDEN, Edge, Node, Problem, Solution
 
 __all__ = ["DEFAULT_ROUNDS", "colours", "layer_classes", "origins", "tie", "Tied", "merge", "trws_bound", "untied_bound",
            "solve_tied"]
@@ -336,10 +341,7 @@ def untied_bound(
     that the pruned search found (an untied plan that beats the tied one), or
     None.
     """
-    from shardsolve.encodings import heuristics, solve
-    from shardsolve.errors import InfeasibleError
-
-    flat = heuristics.flatten(reduced.problem)
+    flat = flatten(reduced.problem)
     offset = reduced.offset
     if flat.n == 0:
         return offset, "trws", None
@@ -362,7 +364,7 @@ def untied_bound(
     )
     pruned = Problem(nodes, edges, problem.usage_limit, problem.pins, problem.name)
     try:
-        sol = solve(pruned, time_limit=time_limit, seed=seed)
+        sol = encodings.solve(pruned, time_limit=time_limit, seed=seed)
     except InfeasibleError:
         return upper, "trws+pruned", None  # no assignment is cheaper than ``upper``
     if sol.status == "infeasible":
@@ -380,21 +382,17 @@ def _solve_tied_problem(problem: Problem, time_limit, seed: int, progress) -> So
     optimum in a few passes (checked by its own bound: ``optimal`` when they
     meet); otherwise, or under a memory limit, ``encodings.solve`` searches.
     """
-    from shardsolve.encodings import heuristics, solve
-    from shardsolve.errors import InfeasibleError
-    from shardsolve.reductions import reduce
-
     started = time.perf_counter()
     if problem.usage_limit is None:
         try:
             folded = reduce(problem)
         except InfeasibleError:
             return None
-        flat = heuristics.flatten(folded.problem)
+        flat = flatten(folded.problem)
         decoded: list = []
         bound, _, _ = trws_bound(flat, passes=TIED_PASSES, decoded=decoded)
-        x = heuristics.icm(flat, decoded[0], sweeps=3) if flat.n else decoded[0]
-        cost = heuristics.evaluate(flat, x)
+        x = icm(flat, decoded[0], sweeps=3) if flat.n else decoded[0]
+        cost = evaluate(flat, x)
         stats = dict(folded.stats)
         stats["method"] = "trws"
         if math.isfinite(cost) and bound >= cost - 1e-9 * abs(cost):
@@ -402,7 +400,7 @@ def _solve_tied_problem(problem: Problem, time_limit, seed: int, progress) -> So
             lifted = folded.lift(x)
             return Solution(lifted, problem.evaluate(lifted), cost + folded.offset, "optimal",
                             time.perf_counter() - started, (), stats)
-    inner = solve(problem, time_limit=time_limit, seed=seed, progress=progress)
+    inner = encodings.solve(problem, time_limit=time_limit, seed=seed, progress=progress)
     if inner.status not in ("optimal", "feasible") or not inner.assignment:
         return None
     return inner
@@ -432,10 +430,6 @@ def solve_tied(
     ``None`` also when the tied problem has no solution (say a memory limit
     that only an untied plan meets): the caller then solves untied.
     """
-    from shardsolve.encodings import solve
-    from shardsolve.errors import InfeasibleError
-    from shardsolve.reductions import reduce
-
     started = time.perf_counter()
     classes = layer_classes(problem, rounds)
     if not classes:

@@ -1,0 +1,493 @@
+"""``solve``: the phases that take a problem to its best assignment and a certified bound.
+
+::
+
+    problem --presolve.reduce--> reduced problem --flat.flatten--> arrays
+    lp_relaxation      moderate sizes: the LP with memory (HiGHS), a certified bound and a guide;
+                       an integral LP whose rounding costs its value is optimal (planner problems, B)
+    solve_tiny         <= 60 decisions: CP-SAT on the whole model, exactly (milliseconds)
+    warm_starts        heuristics (least usage, Lagrangian forest DP, repair, ICM); where the LP is
+                       skipped (up to 5,000 nodes) TRW-S decodings, repaired; the LP rounded, its
+                       fractional nodes solved exactly
+    find_feasible      nothing valid yet (large problems): least usage, ICM on the softened problem,
+                       an exact repair of every component of forbidden-bearing edges that still holds
+                       a forbidden pair, LNS on the softened problem for what is left, and last CP-SAT
+                       on feasibility alone over pruned domains (which may prove there is none)
+    solve_whole        <= 400 decisions and 5,000 strategies (or nothing valid yet): the whole model,
+                       hinted, for a share of the budget (may prove optimality)
+    certify            no LP: TRW-S message passing, memory relaxed, for a share of the budget
+                       (and min-sum diffusion, the larger)
+    improve            > 400 decisions: vectorised one-node moves, sweeps of component descent, moves
+                       again; then large-neighbourhood search
+    --lift--> assignment of the original problem, cost from ``Problem.evaluate``
+
+Each phase is one method of :class:`Portfolio`, which holds the incumbent,
+the bound and the budget left. Time limits are *deterministic* work budgets
+in seconds (CP-SAT's deterministic time, a fixed charge per model term built,
+per node and edge reduced, per node and edge visited by a Python pass, per
+entry touched by the vectorised moves): every phase charges what it did
+(``stats["phases"]``: wall seconds and work per phase), and the wall clock is
+only a safety net at ``WALL_SLACK * time_limit + WALL_EXTRA`` seconds.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Callable
+
+import numpy as np
+
+from shardsolve.encodings import bounds, cpsat, heuristics, search
+from shardsolve.encodings.flat import CHARGE_PER_ITEM, Flat, evaluate, flatten, softened, subproblem
+from shardsolve.encodings.presolve import Reduced, reduce
+from shardsolve.errors import InfeasibleError, Interrupted, ShardsolveError
+from shardsolve.problem import Problem, Solution
+
+__all__ = ["solve", "explain_infeasible", "Portfolio", "DEFAULT_TIME_LIMIT"]
+
+#: Budget when ``time_limit`` is None.
+DEFAULT_TIME_LIMIT = 30.0
+#: Problems with at most this many decision nodes (after reduction) are solved whole, exactly.
+TINY_NODES = 60
+#: Up to this many decision nodes the whole model also gets a share of the budget after the warm start.
+EXACT_NODES = 400
+#: ... and at most this many strategies in all (IOPDDL V, 10k strategies on 294 nodes, gains nothing from it).
+EXACT_STRATEGIES = 5000
+#: The LP relaxation is built up to this many nodes (and ``bounds.LP_MAX_PAIRS`` pair variables).
+LP_MAX_NODES = 5000
+#: Above this many nodes (after reduction) the Python heuristics are skipped.
+LARGE_NODES = 5000
+#: Deterministic charge (seconds) per LP variable.
+LP_CHARGE = 2e-6
+#: Share of the remaining budget for ``search.component_descent`` (sweeps) before the LNS.
+DESCENT_SHARE = 0.6
+#: Vectorised one-node moves before and after the component descent: at most this many rounds, and this share
+#: of the budget left.
+MOVE_ROUNDS = 200
+MOVE_SHARE = 0.05
+#: Deterministic charge (seconds) per node and per edge of the input, for checking and reducing it.
+REDUCE_CHARGE = 1e-4
+#: TRW-S bound (where the LP is skipped): at most this many passes, and this share of the budget.
+TRWS_PASSES = 200
+TRWS_SHARE = 0.12
+#: Wall-clock safety net: ``WALL_SLACK * time_limit + WALL_EXTRA`` seconds, after which every stage
+#: stops at its next check (the final lift and evaluation still run).
+WALL_SLACK = 1.05
+WALL_EXTRA = 1.0
+#: Largest problem ``explain_infeasible`` hands to z3 (node strategies).
+EXPLAIN_MAX_STRATEGIES = 20_000
+
+Progress = Callable[[str, float, float], None]
+
+
+def _quiet(message: str, best: float, bound: float) -> None:
+    return None
+
+
+def interruptible(search: Callable[..., Solution]) -> Callable[..., Solution]:
+    """Turn a ``KeyboardInterrupt`` during ``search`` into ``errors.Interrupted`` carrying the best so far.
+
+    ``search`` gets one more keyword, ``incumbent``: a dict it keeps holding
+    ``"solution"``, a function returning the best complete assignment found so far
+    as a ``Solution`` of the original problem with status ``"interrupted"``.
+    """
+
+    def run(problem: Problem, **options) -> Solution:
+        incumbent: dict = {}
+        try:
+            return search(problem, incumbent=incumbent, **options)
+        except Interrupted:
+            raise
+        except KeyboardInterrupt:
+            best = incumbent.get("solution")
+            raise Interrupted(best() if best is not None else None) from None
+
+    run.__doc__, run.__name__, run.__wrapped__ = search.__doc__, search.__name__, search
+    return run
+
+
+@interruptible
+def solve(
+    problem: Problem,
+    *,
+    time_limit: float | None = None,
+    seed: int = 0,
+    workers: int | None = None,
+    progress: Progress | None = None,
+    incumbent: dict | None = None,
+) -> Solution:
+    """Pick one strategy per node, minimising cost under pins and the memory limit.
+
+    ``time_limit``: deterministic work budget in seconds (default 30); ``seed``:
+    the random seed of every randomised step; ``workers``: CP-SAT threads for
+    whole-model solves (default 1; results stay deterministic either way);
+    ``progress(message, best_cost, lower_bound)`` is called as the search improves.
+
+    Determinism and wall time trade off. The budget is calibrated so that an
+    idle machine spends it in about ``time_limit`` seconds; a run that does
+    so is deterministic. The wall clock is only a safety net, at
+    ``1.05 * time_limit + 1`` seconds (then every stage stops at its next
+    check, and the final lift and evaluation take a few seconds more on the
+    largest problems): on a loaded machine the net ends the search first, so
+    the run takes about the limit in wall time, but where it stops, and so
+    the result, depends on the load. A larger net would keep such runs
+    deterministic at the price of overrunning the limit (by 1.5 times with a
+    net at 1.5 times); callers who want determinism on a loaded machine
+    should pass a smaller ``time_limit``.
+
+    Returns a :class:`Solution` whose ``cost`` is ``problem.evaluate(assignment)``
+    and whose ``lower_bound`` is certified. ``status``: ``"optimal"``,
+    ``"feasible"``, ``"infeasible"`` (with ``conflict`` when it could be
+    explained) or ``"unknown"`` (nothing feasible found in the budget).
+    Ctrl-C raises ``errors.Interrupted`` with the best complete solution so
+    far (status ``"interrupted"``), or none.
+    """
+    started = time.perf_counter()
+    try:
+        problem.validate()
+    except ValueError as exc:
+        raise ShardsolveError(f"invalid problem {problem.name!r}: {exc}") from None
+    budget = DEFAULT_TIME_LIMIT if time_limit is None else max(0.0, float(time_limit))
+    try:
+        reduced = reduce(problem)
+    except InfeasibleError:
+        return infeasible_solution(problem, started, {"reduced": False})
+    return Portfolio(problem, reduced, budget, started, seed=seed, workers=workers, progress=progress,
+                     incumbent=incumbent).run()
+
+
+def infeasible_solution(problem: Problem, started: float, stats: dict) -> Solution:
+    """``status="infeasible"``, with the conflicting constraints where z3 can name them."""
+    conflict = explain_infeasible(problem) if problem.num_strategies <= EXPLAIN_MAX_STRATEGIES else ()
+    return Solution((), math.inf, math.inf, "infeasible", time.perf_counter() - started, tuple(conflict), stats)
+
+
+def explain_infeasible(problem: Problem) -> tuple[str, ...]:
+    """Labels of a minimal set of pins, plus ``MEMORY_LIMIT_LABEL`` when the memory limit is part of it.
+
+    Empty when the problem is feasible, or infeasible without any pin or the
+    memory limit (its forbidden costs alone conflict).
+    """
+    # z3 (0.3 s to load) is loaded only when a conflict is to be explained.
+    from shardsolve.encodings import smt
+
+    return smt.explain(problem)
+
+
+class Portfolio:
+    """One run of ``solve`` on a reduced problem: the incumbent, the bound and the budget, phase by phase.
+
+    ``run`` calls the phases in order; each returns a finished ``Solution``
+    when it settles the problem (a proof of optimality or infeasibility) and
+    ``None`` to go on. Costs inside are those of the reduced problem; ``finish``
+    adds the reductions' offset and lifts the assignment.
+    """
+
+    def __init__(self, problem: Problem, reduced: Reduced, budget: float, started: float, *, seed: int = 0,
+                 workers: int | None = None, progress: Progress | None = None, incumbent: dict | None = None):
+        self.problem = problem
+        self.incumbent = incumbent  # "solution": the best so far as an interrupted Solution (see interruptible)
+        self.reduced = reduced
+        self.started = started
+        self.seed = seed
+        self.threads = 1 if workers is None else max(1, int(workers))
+        self.report = progress or _quiet
+        self.total_budget = budget
+        self.wall_limit = WALL_SLACK * budget + WALL_EXTRA
+        self.stats: dict = dict(reduced.stats)
+        self.stats["reduce_s"] = round(time.perf_counter() - started, 3)
+        self.budget = budget - REDUCE_CHARGE * (len(problem.nodes) + len(problem.edges))
+        self.offset = reduced.offset
+        self.flat: Flat = flatten(reduced.problem)
+        self.decision = sum(1 for c in self.flat.costs if len(c) > 1)
+        self.bound = bounds.trivial_bound(self.flat) if self.decision else -math.inf
+        self.best_x: np.ndarray | None = None
+        self.best_cost = math.inf
+        self.guide: np.ndarray | None = None  # the LP relaxation rounded, where it was solved
+        self.marginals: list[np.ndarray] | None = None
+
+    # -- bookkeeping -------------------------------------------------------------------------------
+
+    def wall_left(self) -> float:
+        return max(0.0, self.wall_limit - (time.perf_counter() - self.started))
+
+    def shifted(self, message: str, best: float, bound: float) -> None:
+        """``progress`` in the original problem's units."""
+        self.report(message, best + self.offset, bound + self.offset)
+
+    def consider(self, x: np.ndarray | None, cost: float) -> None:
+        if x is not None and cost < self.best_cost:
+            self.best_x, self.best_cost = np.asarray(x, dtype=np.int64), cost
+            if self.incumbent is not None:
+                self.incumbent["solution"] = lambda x=self.best_x: self.interrupted(x)
+
+    def interrupted(self, x: np.ndarray) -> Solution | None:
+        """The ``Solution`` an interrupted search hands back: ``x`` lifted, its cost and the bound so far."""
+        assignment = self.reduced.lift(x)
+        cost = self.problem.evaluate(assignment)
+        if not math.isfinite(cost):
+            return None
+        return Solution(tuple(int(s) for s in assignment), cost, min(self.bound + self.offset, cost), "interrupted",
+                        time.perf_counter() - self.started, (), dict(self.stats))
+
+    def finish(self, assignment, status: str, bound: float) -> Solution:
+        """The ``Solution`` of the original problem (``bound`` in its units); never an invalid assignment."""
+        started, stats = self.started, self.stats
+        if assignment is None:
+            return Solution((), math.inf, bound, status, time.perf_counter() - started, (), stats)
+        cost = self.problem.evaluate(assignment)
+        if not math.isfinite(cost):  # defensive: never report an invalid assignment as a solution
+            return Solution((), math.inf, bound, "unknown", time.perf_counter() - started, (), stats)
+        bound = min(bound, cost)
+        if status != "optimal" and bound >= cost - 1e-9 * abs(cost):
+            status = "optimal"
+        if status == "optimal":
+            bound = cost
+        stats["wall_s"] = round(time.perf_counter() - started, 3)
+        return Solution(tuple(int(s) for s in assignment), cost, bound, status, time.perf_counter() - started, (),
+                        stats)
+
+    def infeasible(self) -> Solution:
+        return infeasible_solution(self.problem, self.started, self.stats)
+
+    # -- the phases --------------------------------------------------------------------------------
+
+    def run(self) -> Solution:
+        flat = self.flat
+        if self.decision == 0:
+            x = np.zeros(flat.n, dtype=np.int64)
+            if not math.isfinite(evaluate(flat, x)):
+                return self.infeasible()
+            return self.finish(self.reduced.lift(x), "optimal", -math.inf)
+        done = self.phase("lp", self.lp_relaxation)
+        if done is not None:
+            return done
+        if self.decision <= TINY_NODES:
+            return self.phase("whole model", self.solve_tiny)
+        self.phase("starts", self.warm_starts)
+        if self.best_x is None:
+            done = self.phase("feasibility", self.find_feasible)
+            if done is not None:
+                return done
+        done = self.phase("whole model", self.solve_whole)
+        if done is not None:
+            return done
+        if self.best_x is None:
+            return self.finish(None, "unknown", self.bound + self.offset)
+        if self.guide is None:
+            self.phase("bounds", self.certify)
+        self.phase("search", self.improve)
+        return self.finish(self.reduced.lift(self.best_x), "feasible", self.bound + self.offset)
+
+    def phase(self, name: str, step: Callable[[], Solution | None]) -> Solution | None:
+        """Run one phase; its wall time and deterministic work go to ``stats["phases"]``, progress is reported."""
+        wall, work = time.perf_counter(), self.budget
+        done = step()
+        spent = self.stats.setdefault("phases", {}).setdefault(name, {"wall_s": 0.0, "work_s": 0.0})
+        spent["wall_s"] = round(spent["wall_s"] + time.perf_counter() - wall, 3)
+        spent["work_s"] = round(spent["work_s"] + max(0.0, work - self.budget), 3)
+        if done is None:
+            self.report(name, self.best_cost + self.offset, self.bound + self.offset)
+        return done
+
+    def lp_relaxation(self) -> Solution | None:
+        """Moderate sizes: the LP with memory, a bound and a guide for the search; optimal when integral.
+
+        Planner problems and IOPDDL B/G have an integral LP: its rounding is optimal.
+        """
+        flat, stats = self.flat, self.stats
+        if not (flat.n <= LP_MAX_NODES and sum(int(np.isfinite(t).sum()) for t in flat.tables) <= bounds.LP_MAX_PAIRS):
+            return None
+        lp_started = time.perf_counter()
+        lp_value, lp_margin, marginals = bounds.lp_solve(flat, time_limit=max(10.0, 0.5 * self.budget))
+        stats["lp_s"] = round(time.perf_counter() - lp_started, 3)
+        if lp_value == math.inf:
+            return self.infeasible()
+        if math.isfinite(lp_value):
+            stats["lp_bound"] = lp_value - lp_margin + self.offset
+            self.bound = max(self.bound, lp_value - lp_margin)
+        if marginals is None:
+            return None
+        self.marginals = marginals
+        self.guide = guide = np.array([int(np.argmax(m)) for m in marginals], dtype=np.int64)
+        self.budget -= LP_CHARGE * sum(len(c) for c in flat.costs) + LP_CHARGE * sum(t.size for t in flat.tables)
+        integral = all(float(np.max(m)) >= 1.0 - 1e-6 for m in marginals)
+        if integral:
+            c_guide = evaluate(flat, guide)
+            # An integral LP solution whose exact cost meets the certified bound: optimal.
+            if c_guide <= lp_value - lp_margin + 1e-9 * abs(c_guide):
+                stats["proof"] = "integral LP"
+                return self.finish(self.reduced.lift(guide), "optimal", self.bound + self.offset)
+        return None
+
+    def solve_tiny(self) -> Solution:
+        """Few decisions: the whole model, exactly."""
+        flat, guide = self.flat, self.guide
+        hint = guide if guide is not None and math.isfinite(evaluate(flat, guide)) else None
+        result = cpsat.solve_cpsat(flat, hint=hint, time_limit=self.budget, seed=self.seed, workers=self.threads,
+                                   progress=self.shifted, wall_limit=self.wall_left())
+        self.stats.update(result.stats)
+        if result.status == "infeasible":
+            return self.infeasible()
+        bound = max(self.bound, result.lower_bound) + self.offset
+        if result.assignment is None:
+            return self.finish(None, "unknown", bound)
+        status = "optimal" if result.status == "optimal" else "feasible"
+        return self.finish(self.reduced.lift(result.assignment), status, bound)
+
+    def warm_starts(self) -> None:
+        """Heuristic starts (up to ``LARGE_NODES``), TRW-S decodings where no LP guides, the LP rounded."""
+        flat, stats = self.flat, self.stats
+        if flat.n <= LARGE_NODES:
+            x0, c0 = heuristics.warm_start(flat, seed=self.seed)
+            self.consider(x0, c0)
+            stats["warm_start_cost"] = c0 + self.offset if math.isfinite(c0) else None
+            if self.guide is None:
+                # no LP to round: TRW-S decodings (memory penalised, then repaired) as further starts
+                x_t, c_t, used = search.trws_starts(flat, c0, self.seed, self.wall_left())
+                self.budget -= used
+                self.consider(x_t, c_t)
+                stats["trws_start_cost"] = c_t + self.offset if math.isfinite(c_t) else None
+        if self.guide is not None:
+            self.round_lp()
+
+    def round_lp(self) -> None:
+        """The LP's rounding, its fractional nodes and their neighbours solved exactly with the rest held."""
+        flat, guide = self.flat, self.guide
+        frac = np.array([len(m) > 1 and float(np.max(m)) < 1.0 - 1e-6 for m in self.marginals])
+        free = set(np.flatnonzero(frac).tolist())
+        for i in list(free):
+            free.update(j for _, j, _ in flat.adj[i] if len(flat.costs[j]) > 1)
+        free_idx = np.array(sorted(free), dtype=np.int64)
+        if len(free_idx):
+            sub = subproblem(flat, free_idx, guide)
+            y, _, _, used = cpsat.solve_neighbourhood(sub, guide[free_idx], min(0.2 * self.budget, 20.0), self.seed,
+                                                      self.wall_left())
+            self.budget -= used
+            if y is not None:
+                x_r = guide.copy()
+                x_r[free_idx] = y
+                self.consider(x_r, evaluate(flat, x_r))
+        else:
+            self.consider(guide, evaluate(flat, guide))
+        self.stats["lp_rounding_free_nodes"] = int(len(free_idx))
+
+    def find_feasible(self) -> Solution | None:
+        """A valid start when no start is: least usage, then the forbidden pairs removed.
+
+        Least usage always fits memory but may break forbidden pairs. ICM on the
+        softened problem (forbidden pairs at a finite penalty) removes most of them;
+        forbidden pairs only couple nodes within a component of forbidden-bearing
+        edges, so each component still holding one is then solved exactly on its own,
+        and LNS on the softened problem takes what is left. When even that leaves
+        a forbidden pair, CP-SAT searches for any valid assignment (no objective,
+        pruned domains) from there, and may prove there is none.
+        """
+        flat, stats, seed = self.flat, self.stats, self.seed
+        soft, penalty = softened(flat)
+        start = heuristics.icm(soft, heuristics.least_usage(flat), sweeps=3)
+        self.budget -= 3 * CHARGE_PER_ITEM * (flat.n + len(flat.tables))
+        start, used, repair_stats = search.repair_forbidden(
+            flat, start, budget=0.5 * self.budget, seed=seed, wall_limit=self.wall_left(),
+        )
+        self.budget -= used
+        stats.update(repair_stats)
+        if repair_stats["repair_left"]:
+            # what is left (memory too tight around a component): search the softened problem
+            x_soft, c_soft, soft_stats = search.lns(
+                soft, start, budget=0.5 * self.budget, seed=seed, stop_below=penalty, wall_limit=self.wall_left(),
+            )
+            self.budget -= soft_stats.get("lns_deterministic_s", 0.0)
+            stats["repair_steps"] = soft_stats.get("lns_steps", 0)
+            start = x_soft
+        if not math.isfinite(evaluate(flat, start)):
+            x, status, used = cpsat.solve_feasibility(flat, start, max(1.0, 0.5 * self.budget), seed, self.wall_left())
+            self.budget -= used
+            stats["feasibility_status"] = status
+            if status == "INFEASIBLE":
+                return self.infeasible()
+            if x is not None:
+                start = x
+        self.consider(start, evaluate(flat, start))
+        return None
+
+    def solve_whole(self) -> Solution | None:
+        """Medium sizes (or nothing valid yet): the whole model, hinted, for a share of the budget."""
+        flat = self.flat
+        strategies = sum(len(c) for c in flat.costs)
+        medium = self.decision <= EXACT_NODES and strategies <= EXACT_STRATEGIES
+        if not (medium or (self.best_x is None and flat.n <= LARGE_NODES)):
+            return None
+        found = self.best_x is not None
+        share = max(1.0, 0.1 * self.budget) if found else max(1.0, 0.5 * self.budget)
+        result = cpsat.solve_cpsat(flat, hint=self.best_x, time_limit=share, seed=self.seed, workers=self.threads,
+                                   progress=self.shifted, wall_limit=self.wall_left())
+        self.stats.update(result.stats)
+        self.budget -= result.stats.get("cpsat_deterministic_s", 0.0) + cpsat.CHARGE_PER_STEP
+        self.bound = max(self.bound, result.lower_bound)
+        if result.status == "infeasible":
+            return self.infeasible()
+        self.consider(result.assignment, result.cost)
+        if result.status == "optimal":
+            return self.finish(self.reduced.lift(self.best_x), "optimal", self.bound + self.offset)
+        return None
+
+    def certify(self) -> None:
+        """Where the LP was too big: TRW-S (memory relaxed), and min-sum diffusion where cheap; the larger."""
+        flat, stats = self.flat, self.stats
+        passes = trws_passes(flat, min(self.total_budget, 2.0 * max(0.0, self.budget)))
+        trws_started = time.perf_counter()
+        value, _, _ = bounds.trws_bound(flat, passes=passes, wall_limit=0.5 * self.wall_left(), final_only=True)
+        value -= 1e-9 * max(1.0, abs(value))  # floating-point margin, as ``dual_bound``'s
+        stats["trws_passes"] = passes
+        stats["trws_s"] = round(time.perf_counter() - trws_started, 3)
+        stats["trws_bound"] = value + self.offset
+        self.bound = max(self.bound, value)
+        self.budget -= (passes + 3) * CHARGE_PER_ITEM * (flat.n + len(flat.tables))
+        if flat.n <= LARGE_NODES:
+            self.bound = max(self.bound, bounds.dual_bound(flat, iterations=50))
+            self.budget -= 100 * CHARGE_PER_ITEM * (flat.n + len(flat.tables))
+
+    def one_node_moves(self) -> None:
+        """Rounds of vectorised one-node moves (``heuristics.OneNodeMoves``) from the incumbent."""
+        if not heuristics.OneNodeMoves.fits(self.flat) or self.budget <= 0:
+            return
+        moves = heuristics.OneNodeMoves(self.flat)
+        rounds = int(min(MOVE_ROUNDS, max(1.0, MOVE_SHARE * self.budget / moves.round_charge)))
+        x, done, used = moves.descend(self.best_x, rounds=rounds)
+        self.budget -= used
+        self.stats["move_rounds"] = self.stats.get("move_rounds", 0) + done
+        self.consider(x, evaluate(self.flat, x))
+
+    def improve(self) -> None:
+        """One-node moves, component descent (where forbidden pairs tie nodes together), then LNS.
+
+        The wall-clock shares (half the time left for the TRW-S bound, ``DESCENT_SHARE`` for the descent)
+        only bind on a machine too loaded to do the work in the time: then they leave the LNS its turn.
+        """
+        flat, stats = self.flat, self.stats
+        if self.decision > EXACT_NODES:
+            self.one_node_moves()
+            x, cost, used, descent_stats = search.component_descent(
+                flat, self.best_x, budget=DESCENT_SHARE * max(0.0, self.budget), seed=self.seed,
+                wall_limit=DESCENT_SHARE * self.wall_left(),
+            )
+            self.budget -= used
+            stats.update(descent_stats)
+            self.consider(x, cost)
+            self.report("component descent", self.best_cost + self.offset, self.bound + self.offset)
+            self.one_node_moves()
+        x, cost, lns_stats = search.lns(
+            flat, self.best_x, budget=max(0.0, self.budget), seed=self.seed, progress=self.shifted,
+            lower_bound=self.bound, wall_limit=self.wall_left(), guide=self.guide,
+        )
+        stats.update(lns_stats)
+        self.budget -= lns_stats.get("lns_deterministic_s", 0.0)
+        self.consider(x, cost)
+
+
+def trws_passes(flat: Flat, budget: float) -> int:
+    """TRW-S passes that fit ``TRWS_SHARE`` of ``budget`` (a pass costs about a sweep over nodes and edges)."""
+    per_pass = 1.5 * CHARGE_PER_ITEM * (flat.n + len(flat.tables))  # the table work: above a plain sweep
+    return int(max(2, min(TRWS_PASSES, TRWS_SHARE * budget / per_pass)))

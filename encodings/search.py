@@ -1,0 +1,461 @@
+"""Search over a feasible assignment: neighbourhoods, repair, component descent, LNS.
+
+Every search here frees a set of nodes, holds the rest, and solves the
+sub-problem (``flat.subproblem``) exactly with CP-SAT
+(``cpsat.solve_neighbourhood``), keeping what improves:
+
+=======================  =====================================================
+``repair_forbidden``     one pass over the components of forbidden-bearing
+                         edges that still hold a forbidden pair: each is solved
+                         with forbidden pairs and memory hard (a valid
+                         assignment from one that respects memory)
+``component_descent``    sweeps over those components by decreasing excess
+                         cost, each freed with the nodes around it (functional
+                         edges make a component's nodes change together)
+``lns``                  large-neighbourhood search: graph balls, time
+                         windows around binding memory segments, costliest
+                         nodes, disagreement with a guide, whole components;
+                         the size adapts to how the solves end
+``trws_starts``          warm starts from TRW-S decodings of the costs plus a
+                         usage penalty, repaired
+=======================  =====================================================
+
+``neighbourhood`` and ``excess_costs`` draw the neighbourhoods. Budgets are
+deterministic work in seconds (CP-SAT's deterministic time, a fixed charge per
+neighbourhood and per Python pass over the arrays); wall-clock limits are a
+safety net only, so the same inputs give the same assignment.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from typing import Callable
+
+import numpy as np
+
+from shardsolve.encodings import bounds
+from shardsolve.encodings.cpsat import solve_neighbourhood
+from shardsolve.encodings.flat import CHARGE_PER_ITEM, Flat, evaluate, profile, softened, subproblem
+from shardsolve.encodings.heuristics import icm, least_usage, repair
+from shardsolve.encodings.presolve import component_labels
+
+__all__ = ["lns", "repair_forbidden", "component_descent", "trws_starts", "forbidden_components", "violated_edges",
+           "neighbourhood", "excess_costs"]
+
+#: Largest neighbourhood ``repair_forbidden`` frees at once (a ball inside a bigger component).
+REPAIR_MAX_NODES = 400
+#: ``component_descent``: largest neighbourhood, and the nodes around a small component freed with it.
+DESCENT_MAX_NODES = 600
+DESCENT_GROW = 100
+
+#: TRW-S warm starts (``trws_starts``): usage penalties tried, per byte, relative to the start's cost
+#: per byte of capacity, each followed by ``TRWS_START_PASSES`` passes and a decoding.
+TRWS_PENALTIES = (0.0, 0.003, 0.01, 0.03, 0.1, 0.3, 1.0)
+TRWS_START_PASSES = 30
+
+
+def _left(started: float, wall_limit: float | None) -> float | None:
+    """Seconds left of a wall-clock net of ``wall_limit`` seconds from ``started`` (``None``: no net)."""
+    return None if wall_limit is None else max(0.0, wall_limit - (time.perf_counter() - started))
+
+
+# -- neighbourhoods ---------------------------------------------------------------------------
+
+
+def excess_costs(flat: Flat, x: np.ndarray) -> np.ndarray:
+    """Per node: what it pays in ``x`` (node cost plus half of each incident edge) above its cheapest option."""
+    out = np.zeros(flat.n)
+    for i in range(flat.n):
+        c = flat.costs[i]
+        out[i] = c[x[i]] - c.min()
+    for k, t in enumerate(flat.tables):
+        u, v = int(flat.eu[k]), int(flat.ev[k])
+        extra = t[x[u], x[v]] - t.min()
+        out[u] += 0.5 * extra
+        out[v] += 0.5 * extra
+    return np.where(np.isfinite(out), np.maximum(out, 0.0), 0.0)
+
+
+def neighbourhood(flat: Flat, size: int, rng: np.random.Generator, decision: np.ndarray, kind: int,
+                  weights: np.ndarray | None = None) -> np.ndarray:
+    """About ``size`` decision nodes grown along edges from a seed.
+
+    Kind 0: a random node (a graph ball). Kind 1: the nodes live around a
+    random binding memory segment (a time window). Kind 2: a node drawn with
+    probability proportional to ``weights`` (e.g. ``excess_costs``).
+    """
+    candidates = np.flatnonzero(decision)
+    if len(candidates) <= size:
+        return candidates
+    chosen: list[int] = []
+    seen = np.zeros(flat.n, dtype=bool)
+    if kind == 1 and len(flat.binding):
+        t = flat.binding[int(rng.integers(len(flat.binding)))]
+        mid = 0.5 * (flat.seg_start + flat.seg_end)
+        dist = np.where(flat.seg_end > flat.seg_start, np.abs(mid - t) - 0.5 * (flat.seg_end - flat.seg_start), np.inf)
+        dist = np.where(decision, dist, np.inf)
+        order = np.argsort(dist, kind="stable")
+        seeds = [int(i) for i in order[: max(1, size // 2)] if np.isfinite(dist[i])]
+    elif kind == 2 and weights is not None and float(weights[decision].sum()) > 0:
+        w = np.where(decision, weights, 0.0)
+        seeds = [int(rng.choice(flat.n, p=w / w.sum()))]
+    else:
+        seeds = [int(candidates[rng.integers(len(candidates))])]
+    frontier = []
+    for s in seeds:
+        if not seen[s]:
+            seen[s] = True
+            chosen.append(s)
+            frontier.append(s)
+    while frontier and len(chosen) < size:
+        nxt = []
+        rng.shuffle(frontier)
+        for i in frontier:
+            for _, j, _ in flat.adj[i]:
+                if not seen[j] and decision[j]:
+                    seen[j] = True
+                    chosen.append(j)
+                    nxt.append(j)
+                    if len(chosen) >= size:
+                        break
+            if len(chosen) >= size:
+                break
+        frontier = nxt
+    while len(chosen) < size:  # disconnected: add random nodes
+        j = int(candidates[rng.integers(len(candidates))])
+        if not seen[j]:
+            seen[j] = True
+            chosen.append(j)
+    return np.array(sorted(chosen), dtype=np.int64)
+
+
+
+# -- large-neighbourhood search ---------------------------------------------------------------
+
+
+def _moved_profile(flat: Flat, prof: np.ndarray, free: np.ndarray, old: np.ndarray, new: np.ndarray) -> np.ndarray:
+    """The memory profile after nodes ``free`` move from strategies ``old`` to ``new``."""
+    delta = np.zeros(len(flat.capacity) + 1)
+    change = np.array([flat.usages[i][b] - flat.usages[i][a] for i, a, b in zip(free, old, new)])
+    np.add.at(delta, flat.seg_start[free], change)
+    np.add.at(delta, flat.seg_end[free], -change)
+    return prof + np.cumsum(delta)[:-1]
+
+
+def lns(
+    flat: Flat,
+    x: np.ndarray,
+    *,
+    budget: float,
+    seed: int = 0,
+    progress: Callable[[str, float, float], None] | None = None,
+    lower_bound: float = -math.inf,
+    offset: float = 0.0,
+    wall_limit: float | None = None,
+    guide: np.ndarray | None = None,
+    stop_below: float = -math.inf,
+    log: list | None = None,
+) -> tuple[np.ndarray, float, dict]:
+    """Large-neighbourhood search from a feasible ``x``: free a neighbourhood, solve it exactly, keep improvements.
+
+    Neighbourhoods alternate between graph balls and time windows (nodes live
+    around a binding memory segment, grown along edges). Their size adapts:
+    it grows after a neighbourhood is solved to optimality and shrinks after
+    a time-out. With ``guide`` (e.g. the rounded LP relaxation), one
+    neighbourhood in each round grows from nodes where ``x`` disagrees with it.
+    When forbidden pairs tie nodes into components (functional edges: one
+    node's strategy fixes another's), one neighbourhood per round is a whole
+    component, drawn by its excess cost, and the nodes around it: such
+    nodes can only change together. ``budget`` is deterministic work (CP-SAT deterministic time
+    plus a fixed charge per neighbourhood), so runs are reproducible;
+    ``wall_limit`` is a wall-clock safety net.
+    """
+    rng = np.random.default_rng(seed)
+    x = np.asarray(x, dtype=np.int64).copy()
+    cost = evaluate(flat, x)
+    decision = np.array([len(c) > 1 for c in flat.costs])
+    n_dec = int(decision.sum())
+    stats = {"lns_steps": 0, "lns_improvements": 0}
+    if n_dec == 0 or not math.isfinite(cost):
+        return x, cost, stats
+    started = time.perf_counter()
+    size = float(min(n_dec, 60))
+    step_limit = 0.5
+    spent = 0.0
+    prof = profile(flat, x) if len(flat.capacity) else None
+    step = 0
+    excess, excess_step = None, 0
+    kinds = [0, 1, 2] + ([3] if guide is not None else [])
+    comp = forbidden_components(flat)
+    spent += CHARGE_PER_ITEM * (flat.n + len(flat.tables))
+    if np.bincount(comp).max(initial=0) > 1:
+        kinds.append(4)
+    while spent < budget and cost >= stop_below:
+        if wall_limit is not None and time.perf_counter() - started > wall_limit:
+            break
+        kind = kinds[step % len(kinds)]
+        if kind in (2, 4):
+            if excess is None or step - excess_step >= 3 * len(kinds):  # a full pass: refreshed every third use
+                excess, excess_step = excess_costs(flat, x), step
+                spent += CHARGE_PER_ITEM * (flat.n + len(flat.tables))
+            weights = excess
+        elif kind == 3:  # nodes where the incumbent and the LP relaxation disagree
+            weights = (x != guide).astype(np.float64)
+            kind = 2
+        else:
+            weights = None
+        if kind == 4:
+            free = _component_neighbourhood(flat, int(size), rng, decision, comp, weights)
+        else:
+            free = neighbourhood(flat, int(size), rng, decision, kind, weights)
+        sub = subproblem(flat, free, x, prof)
+        before = evaluate(sub, x[free])
+        y, after, optimal, used = solve_neighbourhood(sub, x[free], min(step_limit, budget - spent + 1e-3), seed + step,
+                                                      _left(started, wall_limit))
+        spent += used
+        step += 1
+        if log is not None:
+            log.append((kind, len(free), optimal, before - after if y is not None else 0.0, used))
+        if y is not None and after < before - 1e-9 * max(1.0, abs(before)):
+            if prof is not None:
+                prof = _moved_profile(flat, prof, free, x[free], y)
+            x[free] = y
+            cost += after - before
+            stats["lns_improvements"] += 1
+            if progress is not None:
+                progress("LNS", cost + offset, lower_bound)
+        if optimal:
+            size = min(float(n_dec), size * 1.15 + 1)
+        else:
+            size = max(8.0, size * 0.85)
+    cost = evaluate(flat, x)  # exact, without the rounding of the running sum
+    stats["lns_steps"] = step
+    stats["lns_final_size"] = int(size)
+    stats["lns_deterministic_s"] = round(spent, 3)
+    return x, cost, stats
+
+
+# -- repairing forbidden pairs ------------------------------------------------------------
+
+
+def forbidden_components(flat: Flat) -> np.ndarray:
+    """Per node, its component in the graph of edges that have a forbidden entry.
+
+    Forbidden pairs only couple nodes within one such component, so a
+    component can be made consistent on its own with every other node held.
+    """
+    forb = np.array([not np.isfinite(t).all() for t in flat.tables], dtype=bool)
+    return component_labels(flat.n, flat.eu[forb], flat.ev[forb])
+
+
+def violated_edges(flat: Flat, x: np.ndarray) -> np.ndarray:
+    """Indices of the edges whose chosen pair is forbidden in ``x``."""
+    return np.array([k for k, t in enumerate(flat.tables) if not np.isfinite(t[x[flat.eu[k]], x[flat.ev[k]]])],
+                    dtype=np.int64)
+
+
+def _ball(flat: Flat, seeds: list[int], allowed: np.ndarray, size: int) -> np.ndarray:
+    """Breadth-first ball of at most ``size`` nodes from ``seeds`` along edges, within ``allowed``."""
+    seen = np.zeros(flat.n, dtype=bool)
+    order = []
+    for s in seeds:
+        if not seen[s]:
+            seen[s] = True
+            order.append(s)
+    head = 0
+    while head < len(order) and len(order) < size:
+        i = order[head]
+        head += 1
+        for _, j, _ in flat.adj[i]:
+            if allowed[j] and not seen[j]:
+                seen[j] = True
+                order.append(j)
+                if len(order) >= size:
+                    break
+    return np.array(sorted(order), dtype=np.int64)
+
+
+def _component_neighbourhood(flat: Flat, size: int, rng: np.random.Generator, decision: np.ndarray,
+                             comp: np.ndarray, weights: np.ndarray) -> np.ndarray:
+    """The component (of forbidden-bearing edges) of a node drawn by ``weights``, grown along edges to ``size``.
+
+    A component larger than ``size`` gives a ball of ``size`` nodes inside it.
+    """
+    w = np.where(decision, weights, 0.0)
+    if float(w.sum()) <= 0:
+        w = decision.astype(np.float64)
+    seed = int(rng.choice(flat.n, p=w / w.sum()))
+    members = np.flatnonzero((comp == comp[seed]) & decision)
+    if len(members) >= size:
+        return _ball(flat, [seed], (comp == comp[seed]) & decision, size)
+    return _ball(flat, [seed] + [int(i) for i in members if i != seed], decision, size)
+
+
+def repair_forbidden(flat: Flat, x: np.ndarray, *, budget: float, seed: int = 0,
+                     wall_limit: float | None = None) -> tuple[np.ndarray, float, dict]:
+    """Make ``x`` free of forbidden pairs, one component of forbidden-bearing edges at a time.
+
+    ``x`` must respect memory (e.g. least usage, then ICM on the softened
+    problem). For every component holding a forbidden pair (in the order of
+    the edges that break one), its nodes (a ball around the pair when the component has more
+    than ``REPAIR_MAX_NODES``) are freed and solved exactly by CP-SAT with
+    everything else held, forbidden pairs and memory hard, the true costs as
+    objective. Every such component is visited whatever ``budget`` says
+    (it only sets how long each solve may take, at least 0.05 s): a valid
+    assignment matters more than the time limit. Returns the new assignment,
+    the deterministic work spent and stats (``repair_left``: forbidden pairs
+    still present).
+    """
+    started = time.perf_counter()
+    x = np.asarray(x, dtype=np.int64).copy()
+    stats = {"repair_components": 0, "repair_left": 0}
+    bad = violated_edges(flat, x)
+    if not len(bad):
+        return x, 0.0, stats
+    comp = forbidden_components(flat)
+    decision = np.array([len(c) > 1 for c in flat.costs])
+    prof = profile(flat, x) if len(flat.capacity) else None
+    spent = 0.0
+    done: set[int] = set()
+    for k in bad:
+        if wall_limit is not None and time.perf_counter() - started > wall_limit:
+            break  # only the wall-clock safety net stops it: the budget shapes each solve, not their number
+        u, v = int(flat.eu[k]), int(flat.ev[k])
+        if np.isfinite(flat.tables[k][x[u], x[v]]):
+            continue  # an earlier repair fixed it
+        c = int(comp[u])
+        members = (comp == c) & decision
+        if c in done or members.sum() > REPAIR_MAX_NODES:
+            free = _ball(flat, [u, v], decision, REPAIR_MAX_NODES)
+        else:
+            free = np.flatnonzero(members)
+        done.add(c)
+        if not len(free):
+            continue
+        sub = subproblem(flat, free, x, prof)
+        limit = min(1.0 + 0.01 * len(free), max(0.05, budget - spent))
+        y, _, _, used = solve_neighbourhood(sub, x[free], limit, seed + len(done), _left(started, wall_limit))
+        spent += used
+        stats["repair_components"] += 1
+        if y is None:
+            continue
+        if prof is not None:
+            prof = _moved_profile(flat, prof, free, x[free], y)
+        x[free] = y
+    stats["repair_left"] = int(len(violated_edges(flat, x)))
+    stats["repair_deterministic_s"] = round(spent, 3)
+    return x, spent, stats
+
+
+def component_descent(flat: Flat, x: np.ndarray, *, budget: float, seed: int = 0, max_sweeps: int = 4,
+                      wall_limit: float | None = None) -> tuple[np.ndarray, float, float, dict]:
+    """Block coordinate descent over the components of forbidden-bearing edges.
+
+    Components are visited by decreasing excess cost (``excess_costs``); each
+    is freed with about ``DESCENT_GROW`` nodes around it (a ball of
+    ``DESCENT_MAX_NODES`` around its costliest node when bigger) and solved by
+    CP-SAT, everything else held. Functional edges make a component's nodes
+    change together, which single-node moves and random balls rarely manage:
+    on IOPDDL P one sweep halves the cost of the least-usage start. Sweeps
+    repeat (up to ``max_sweeps``) while one gains at least 0.1% and budget is left.
+    ``x`` must be feasible. Returns (assignment, cost, deterministic work, stats).
+    """
+    started = time.perf_counter()
+    x = np.asarray(x, dtype=np.int64).copy()
+    cost = evaluate(flat, x)
+    stats = {"descent_steps": 0, "descent_improvements": 0}
+    if not math.isfinite(cost):
+        return x, cost, 0.0, stats
+    comp = forbidden_components(flat)
+    decision = np.array([len(c) > 1 for c in flat.costs])
+    spent = CHARGE_PER_ITEM * (flat.n + len(flat.tables))
+    prof = profile(flat, x) if len(flat.capacity) else None
+    for sweep in range(max_sweeps):
+        swept = cost
+        x, cost, spent = _descent_sweep(flat, x, cost, comp, decision, prof, budget, spent, seed, stats, started, wall_limit)
+        if len(flat.capacity):
+            prof = profile(flat, x)
+        stats["descent_sweeps"] = sweep + 1
+        if spent >= budget or cost >= swept - 1e-3 * abs(swept):
+            break
+    cost = evaluate(flat, x)
+    stats["descent_deterministic_s"] = round(spent, 3)
+    return x, cost, spent, stats
+
+
+def _descent_sweep(flat: Flat, x: np.ndarray, cost: float, comp: np.ndarray, decision: np.ndarray,
+                   prof: np.ndarray | None, budget: float, spent: float, seed: int, stats: dict, started: float,
+                   wall_limit: float | None) -> tuple[np.ndarray, float, float]:
+    """One pass of ``component_descent`` (``x`` is updated in place); returns (x, cost, work spent so far)."""
+    excess = excess_costs(flat, x)
+    spent += CHARGE_PER_ITEM * (flat.n + len(flat.tables))
+    total = np.bincount(comp, weights=excess)
+    for c in np.argsort(-total, kind="stable"):
+        if total[c] <= 0 or spent >= budget:
+            break
+        if wall_limit is not None and time.perf_counter() - started > wall_limit:
+            break
+        inside = (comp == c) & decision
+        members = np.flatnonzero(inside)
+        if not len(members):
+            continue
+        if len(members) > DESCENT_MAX_NODES:
+            free = _ball(flat, [int(members[np.argmax(excess[members])])], inside, DESCENT_MAX_NODES)
+        else:
+            free = _ball(flat, [int(i) for i in members], decision, max(len(members), DESCENT_GROW))
+        sub = subproblem(flat, free, x, prof)
+        before = evaluate(sub, x[free])
+        limit = min(1.0, max(0.05, budget - spent))
+        y, after, _, used = solve_neighbourhood(sub, x[free], limit, seed + stats["descent_steps"],
+                                                _left(started, wall_limit))
+        spent += used
+        stats["descent_steps"] += 1
+        if y is not None and after < before - 1e-9 * max(1.0, abs(before)):
+            if prof is not None:
+                prof = _moved_profile(flat, prof, free, x[free], y)
+            x[free] = y
+            cost += after - before
+            stats["descent_improvements"] += 1
+    return x, cost, spent
+
+
+# -- warm starts from message passing ----------------------------------------------------------
+
+
+def trws_starts(flat: Flat, reference: float, seed: int,
+                wall_limit: float | None = None) -> tuple[np.ndarray | None, float, float]:
+    """Warm starts from TRW-S decodings of the costs plus a usage penalty, repaired; the best, its cost, the work.
+
+    The decoding ignores memory; the penalty (``mu`` times the reference
+    cost per byte of capacity, on every byte a strategy uses) steers it
+    towards assignments that fit. Each decoding is repaired: memory first
+    (``heuristics.repair`` on the softened problem), then ICM on the softened
+    problem, then ``repair_forbidden`` for the forbidden pairs left.
+    ``wall_limit``: the caller's wall-clock net, in seconds from now.
+    """
+    started = time.perf_counter()
+    soft, _ = softened(flat)
+    cap = float(np.abs(flat.capacity).max()) if len(flat.capacity) else 1.0
+    if not math.isfinite(reference):
+        reference = evaluate(soft, least_usage(flat))
+    scale = abs(reference) if math.isfinite(reference) and reference != 0 else 1.0
+    usages = [np.asarray(u, dtype=np.float64) for u in flat.usages]
+    best_x, best_cost, spent = None, math.inf, 0.0
+    items = flat.n + len(flat.tables)
+    for k, mu in enumerate(TRWS_PENALTIES):
+        if mu and not len(flat.capacity):
+            break
+        per_byte = mu * scale / max(cap, 1e-300)
+        penalised = dataclasses.replace(flat, costs=tuple(c + per_byte * u for c, u in zip(flat.costs, usages)))
+        decoded: list = []
+        bounds.trws_bound(penalised, passes=TRWS_START_PASSES, decoded=decoded)
+        x = icm(soft, repair(soft, decoded[0]), sweeps=3)
+        x, used, _ = repair_forbidden(flat, x, budget=1.0, seed=seed + k, wall_limit=_left(started, wall_limit))
+        spent += used + (1.5 * TRWS_START_PASSES + 5) * CHARGE_PER_ITEM * items
+        cost = evaluate(flat, x)
+        if cost < best_cost:
+            best_x, best_cost = x, cost
+    return best_x, best_cost, spent
+
