@@ -156,7 +156,7 @@ def main(argv=None) -> int:
         "",
         "`nodes`: problem nodes; `after reductions`: decision nodes left by the exact reductions;",
         "`after tying`: decision nodes of the tied problem (repeated layers share strategies,",
-        "`shardsolve.tying`); `trace+build s`: everything but the solver (tracing, building the",
+        "`shardsolve.encodings.tying`); `trace+build s`: everything but the solver (tracing, building the",
         "problem, the plan's collectives); `JAX compile s`: `jax.jit(...).lower(...).compile()` of",
         "the same function with the same batch annotation, measured first in the same process;",
         "`status`/`gap`: for the *untied* problem (`optimal` only when a certified bound of the",

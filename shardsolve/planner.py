@@ -146,7 +146,7 @@ def plan(
 
     ``tie``: where the program repeats itself (an unrolled stack of layers),
     corresponding values of the repeated layers take the same sharding and
-    the solver searches about one layer (``shardsolve.tying``). Tying is a
+    the solver searches about one layer (``shardsolve.encodings.tying``). Tying is a
     restriction: the plan's ``status`` is ``"optimal"`` only when a certified
     bound of the untied problem meets the tied plan's cost, else
     ``"feasible"`` with that gap, and ``plan.stats`` say which (``tying``:
@@ -173,12 +173,14 @@ def plan(
     holds the limit as XLA compiles the plan: ``plan.jit()`` is compiled for
     the example arguments (``ShapeDtypeStruct``s are enough; nothing runs) and
     its ``memory_analysis()`` peak (argument + output + temp - alias) must be
-    within the limit. Where it is not, the limit the solver sees is tightened
-    by the measured ratio and the plan solved again (``plan.stats``:
-    ``memory_rounds``, ``compiled_peak_memory``); where the model's estimate is
-    above the compiled peak, a plan the model calls infeasible is looked for
-    under the limit loosened by that ratio. ``"model"`` trusts the cost
-    model's estimate. Without enough devices for the mesh the model is trusted.
+    within the limit. Where it is not, the limit the solver sees is searched
+    (lowered by the overshoot, then bisected) and the plan solved again; the
+    fastest plan whose compiled peak fits is returned (``plan.stats``:
+    ``memory_rounds``, ``compiled_peak_memory``), or ``InfeasibleError`` after
+    ``MEMORY_ROUNDS`` solves. Where the model calls the limit infeasible but
+    overestimates the compiled peak, the limit it sees is raised by that
+    overestimate first. ``"model"`` trusts the cost model's estimate. Without
+    enough devices for the mesh the model is trusted.
     """
     say = progress or (lambda message: None)
     mesh_spec = as_mesh_spec(mesh)
