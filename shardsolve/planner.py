@@ -313,8 +313,9 @@ def _within_compiled_memory(graph: Graph, built: Built, solution, mesh: MeshSpec
         internal = hi - (compiled - limit) if best is None and rounds == 1 and solved else (lo + hi) / 2
         if internal <= lo:
             internal = (lo + hi) / 2
-        say(f"compiled peak memory {format_bytes(compiled or 0)} is over the limit: solving again under "
-            f"{format_bytes(internal)} as the model counts it")
+        why = (f"compiled peak memory {format_bytes(compiled)} is over the limit" if solved and compiled > limit
+               else "no plan under the last limit" if not solved else "looking for a faster plan that fits")
+        say(f"{why}: solving again under {format_bytes(internal)} as the model counts it")
         solution = _solve(_limited(built, internal), time_limit, seed, tie, say if progress else None)
     if best is None:
         if compiled is None:
