@@ -5,7 +5,8 @@ One problem node per decision:
 * every argument and closed-over constant: which sharding it arrives in
   (strategies = candidate shardings; a user annotation pins one);
 * every operation: which strategy of its rule it runs (operand shardings,
-  result shardings, compute time of one device's share);
+  result shardings, compute time of one device's share, counting the memory
+  traffic XLA's loop fusion leaves: ``memory_traffic``);
 * every output: which sharding it leaves in (pinned by ``out_shardings``).
 
 An edge joins a value's producer to each consumer, costing the reshard time
@@ -31,6 +32,7 @@ method                 adds
 =====================  ===========================================================
 ``add_arguments``      argument and constant nodes, pinned by ``in_shardings``
 ``add_ops``            op nodes (``add_op``) and scans (``add_scan``) in program order
+``add_operands``       beside each op node: the operand layouts it reads, live during its step
 ``add_scan``           a scan's boundary nodes (``add_scan_operands``), its body's
                        closed-over constants, its body's ops, its y-slices
 ``read_edge``          the edge from a value's producer to one consumer
