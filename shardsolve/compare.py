@@ -59,7 +59,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from shardsolve.annotations import argument_pins, broadcast_annotations, output_pins
 from shardsolve.cost import communication_time, compute_time
 from shardsolve.errors import ShardsolveError
-from shardsolve.hlo import HloCollective, collectives_from_hlo, loop_adjustment
+from shardsolve.hlo import HloCollective, Memory, collectives_from_hlo, compiled_memory, loop_adjustment
 from shardsolve.mesh import MeshSpec, as_mesh_spec
 from shardsolve.plan import Plan
 from shardsolve.planner import plan as make_plan
@@ -79,23 +79,6 @@ _GSPMD_WARNING = re.compile(r"GSPMD sharding propagation is going to be deprecat
 
 
 # -- results ------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class Memory:
-    """``compiled.memory_analysis()`` of one device, bytes."""
-
-    argument: int = 0
-    output: int = 0
-    temp: int = 0
-    alias: int = 0
-
-    @property
-    def peak(self) -> int:
-        return self.argument + self.output + self.temp - self.alias
-
-    def to_json(self) -> dict:
-        return {"argument": self.argument, "output": self.output, "temp": self.temp, "alias": self.alias}
 
 
 @dataclass(frozen=True, slots=True)
@@ -239,18 +222,6 @@ def _cost_dict(compiled) -> dict:
     return dict(ca or {})
 
 
-def _memory(compiled) -> Memory:
-    ma = compiled.memory_analysis()
-    if ma is None:
-        return Memory()
-    return Memory(
-        int(getattr(ma, "argument_size_in_bytes", 0)),
-        int(getattr(ma, "output_size_in_bytes", 0)),
-        int(getattr(ma, "temp_size_in_bytes", 0)),
-        int(getattr(ma, "alias_size_in_bytes", 0)),
-    )
-
-
 def judge(
     name: str,
     compiled,
@@ -266,7 +237,7 @@ def judge(
     loop_flops, loop_bytes = loop_adjustment(text)
     flops = float(costs.get("flops", 0.0)) + loop_flops
     nbytes = float(costs.get("bytes accessed", 0.0)) + loop_bytes
-    memory = _memory(compiled)
+    memory = compiled_memory(compiled)
     collectives = tuple(c for c in collectives_from_hlo(text, mesh) if c.axes)
     fits = None if memory_limit is None else memory.peak <= memory_limit
     return Column(

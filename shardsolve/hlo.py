@@ -472,8 +472,9 @@ def collectives_from_hlo(text: str, mesh: MeshSpec) -> list[HloCollective]:
 
     Each one's ``repeats`` says how often it runs per step (``computation_runs``).
     """
-    runs = {name: n for name, n in computation_runs(text).items()}
-    where = _computation_of_lines(text)
+    comps, entry = computations(text)
+    runs = _runs(comps, entry)
+    where = {m.group(1): comp for comp, lines in comps.items() for m in map(_HEAD.match, lines) if m}
     instrs = instructions(text)
     shape_of = {i.name: i.shape for i in instrs}
     done_of: dict[str, str] = {}
@@ -558,17 +559,6 @@ def computations(text: str) -> tuple[dict[str, list[str]], str]:
     return comps, entry
 
 
-def _computation_of_lines(text: str) -> dict[str, str]:
-    """Instruction name -> the computation it belongs to."""
-    out = {}
-    for comp, lines in computations(text)[0].items():
-        for line in lines:
-            m = _HEAD.match(line)
-            if m:
-                out[m.group(1)] = comp
-    return out
-
-
 def _calls(lines: Sequence[str]) -> list[tuple[str, str, int]]:
     """(callee, how it is called, trip count) of every computation the lines call."""
     out = []
@@ -587,7 +577,11 @@ def computation_runs(text: str, *, trip_counts: bool = True) -> dict[str, int]:
     With ``trip_counts=False`` every loop counts once, as ``compiled.cost_analysis()`` counts it.
     A computation that is never called (or whose loop has no known trip count) counts once.
     """
-    comps, entry = computations(text)
+    return _runs(*computations(text), trip_counts=trip_counts)
+
+
+def _runs(comps: dict[str, list[str]], entry: str, *, trip_counts: bool = True) -> dict[str, int]:
+    """``computation_runs`` of already parsed ``computations``."""
     if not entry:
         return {c: 1 for c in comps}
     edges = {c: [(d, n) for d, _, n in _calls(lines) if d in comps] for c, lines in comps.items()}
@@ -695,7 +689,7 @@ def loop_adjustment(text: str) -> tuple[float, float]:
     comps, entry = computations(text)
     if not entry:
         return 0.0, 0.0
-    real, once = computation_runs(text), computation_runs(text, trip_counts=False)
+    real, once = _runs(comps, entry), _runs(comps, entry, trip_counts=False)
     control = {entry} | {d for lines in comps.values() for d, how, _ in _calls(lines) if how in _CONTROL}
     flops = nbytes = 0.0
     for comp, lines in comps.items():
@@ -708,6 +702,39 @@ def loop_adjustment(text: str) -> tuple[float, float]:
         if comp in control:
             nbytes += missing * sum(_traffic(i, shape_of, comps) for i in instrs)
     return flops, nbytes
+
+
+# -- memory ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Memory:
+    """``compiled.memory_analysis()`` of one device, bytes."""
+
+    argument: int = 0
+    output: int = 0
+    temp: int = 0
+    alias: int = 0
+
+    @property
+    def peak(self) -> int:
+        return self.argument + self.output + self.temp - self.alias
+
+    def to_json(self) -> dict:
+        return {"argument": self.argument, "output": self.output, "temp": self.temp, "alias": self.alias}
+
+
+def compiled_memory(compiled) -> Memory:
+    """``compiled.memory_analysis()`` of one device (all zero where the backend gives none)."""
+    ma = compiled.memory_analysis()
+    if ma is None:
+        return Memory()
+    return Memory(
+        int(getattr(ma, "argument_size_in_bytes", 0)),
+        int(getattr(ma, "output_size_in_bytes", 0)),
+        int(getattr(ma, "temp_size_in_bytes", 0)),
+        int(getattr(ma, "alias_size_in_bytes", 0)),
+    )
 
 
 # -- inventories ---------------------------------------------------------------------

@@ -29,6 +29,7 @@ from shardsolve.encodings.tying import solve_tied
 from shardsolve.errors import InfeasibleError, Interrupted, ShardsolveError
 from shardsolve.flax import logical_names
 from shardsolve.graph import Graph, Lit
+from shardsolve.hlo import compiled_memory
 from shardsolve.logical import LogicalAxes
 from shardsolve.mesh import MeshSpec, as_mesh_spec
 from shardsolve.plan import Cost, OpPlan, Plan, Signature, predicted_collectives
@@ -260,8 +261,7 @@ def _devices_present(mesh: MeshSpec) -> bool:
 def _compiled_peak(plan: Plan, args: tuple) -> int:
     """``memory_analysis()`` peak per device of the compiled ``plan.jit()`` (argument + output + temp - alias)."""
     abstract = [jax.tree.map(abstractify, a) for a in args]
-    ma = plan.jit().lower(*abstract).compile().memory_analysis()
-    return int(ma.argument_size_in_bytes + ma.output_size_in_bytes + ma.temp_size_in_bytes - ma.alias_size_in_bytes)
+    return compiled_memory(plan.jit().lower(*abstract).compile()).peak
 
 
 def _within_compiled_memory(graph: Graph, built: Built, solution, mesh: MeshSpec, fun: Callable, args: tuple,

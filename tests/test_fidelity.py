@@ -20,7 +20,7 @@ from shardsolve.build import memory_traffic
 from shardsolve.compare import judge
 from shardsolve.errors import ShardsolveError
 from shardsolve.graph import Graph
-from shardsolve.hlo import collectives_from_hlo, computation_runs, inventory, loop_adjustment
+from shardsolve.hlo import collectives_from_hlo, compiled_memory, computation_runs, inventory, loop_adjustment
 from shardsolve.lower import emitted_collectives
 from shardsolve.trace import trace
 
@@ -143,13 +143,11 @@ def test_memory_limit_holds_for_the_compiled_program():
     x = _rand((64, 256), 2)
     free = shardsolve.plan(_mlp, params, x, mesh=MESH, in_shardings=(None, P("data")))
     abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), (params, x))
-    ma = free.jit().lower(*abstract).compile().memory_analysis()
-    free_peak = ma.argument_size_in_bytes + ma.output_size_in_bytes + ma.temp_size_in_bytes - ma.alias_size_in_bytes
+    free_peak = compiled_memory(free.jit().lower(*abstract).compile()).peak
     limit = int(free_peak * 0.6)
     plan = shardsolve.plan(_mlp, params, x, mesh=MESH, in_shardings=(None, P("data")), memory_limit=limit)
     stats = dict(plan.stats)
-    ma = plan.jit().lower(*abstract).compile().memory_analysis()
-    compiled = ma.argument_size_in_bytes + ma.output_size_in_bytes + ma.temp_size_in_bytes - ma.alias_size_in_bytes
+    compiled = compiled_memory(plan.jit().lower(*abstract).compile()).peak
     assert compiled <= limit
     assert stats["compiled_peak_memory"] == compiled and stats["memory_rounds"] >= 1
     np.testing.assert_allclose(np.asarray(plan.jit()(params, x)), np.asarray(_mlp(params, x)), rtol=1e-4)
