@@ -52,12 +52,13 @@ way: an edge forbidding the strategy pairs that break the tie.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Sequence
 
 import numpy as np
 
-from shardsolve.cost import ReshardTables, fusion_classes, reshard_time_given
+from shardsolve.cost import COMBINE_COUNT, ReshardTables, collective_cost, fusion_classes, reshard_time_given
 from shardsolve.graph import Graph, Lit, Op, ScanBoundary, scan_counts
 from shardsolve.mesh import MeshSpec
 from shardsolve.problem import FORBIDDEN, Edge, Node, Pin, Problem
@@ -100,13 +101,24 @@ class NodeInfo:
     """What one problem node decides."""
 
     kind: str  # "input", "const", "op", "operands", "output", "scan-const", "scan-carry", "scan-xs", "scan-ys",
-    # "scan-body-const"
+    # "scan-body-const", "merged" (a merge key's latency: ``share_merged_latency``)
     ref: int  # value id (input/const), op id, or output position
     shardings: tuple[Sharding, ...] = ()  # for input/const/output nodes: strategy -> sharding
     rule: Rule | None = None
     strategies: tuple[Strategy, ...] = ()
     fallback: bool = False
     scope: Scope = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Read:
+    """An edge of the program (scope ``()``): node ``to`` reads value ``value`` in layouts ``dst`` (ids)."""
+
+    producer: int
+    to: int
+    value: int
+    consumer: int | None  # the reading op's id (a scan's for its boundary nodes); None for an output
+    dst: np.ndarray
 
 
 @dataclass
@@ -162,6 +174,15 @@ class Built:
     value_node: dict[int, int]  # input/const value id -> node index
     output_node: dict[int, int]  # output position -> node index
     scans: dict[Scope, ScanNodes] = field(default_factory=dict)  # scope (scan op ids) -> nodes
+    # The problem's edges without ``share_merged_latency``'s optimistic discounts (None: it made none).
+    plain_edges: tuple[Edge, ...] | None = None
+
+    def plain(self) -> Built:
+        """This problem with the edges that pay every latency merging may not save (itself if none)."""
+        if self.plain_edges is None:
+            return self
+        return dataclasses.replace(self, problem=dataclasses.replace(self.problem, edges=self.plain_edges),
+                                   plain_edges=None)
 
     def sharding(self, idx: int, assignment: Sequence[int]) -> Sharding:
         """The sharding node ``idx`` (an argument, constant, output or scan boundary node) takes."""
@@ -327,6 +348,8 @@ class ProblemBuilder:
         # once, before the loop (see ``schedule.loop_invariant_demands``): their reads cost the scan's scale.
         self.invariant_scale: dict[tuple, float] = {}
         self.uneven_arguments: set[int] = set()  # arguments with a candidate that splits them unevenly
+        self.reads: list[Read] = []  # the program's reads (scope ()), for ``share_merged_latency``
+        self.plain_edges: dict[tuple[int, int], np.ndarray] | None = None
 
     def build(self, in_pins: Pins, out_pins: Pins, memory_limit: float | None = None,
               ties: Sequence[tuple[int, int]] = ()) -> Built:
@@ -334,13 +357,18 @@ class ProblemBuilder:
         self.add_ops(self.graph, (), 1.0, None, "")
         self.add_outputs(out_pins)
         self.add_ties(ties)
+        self.share_merged_latency()
         problem = Problem(
             tuple(self.nodes),
             tuple(Edge(u, v, np.minimum(c, FORBIDDEN)) for (u, v), c in self.edges.items()),
             memory_limit,
             tuple(self.pins),
         )
-        return Built(problem, self.infos, self.op_node, self.value_node, self.output_node, self.scans)
+        plain = None
+        if self.plain_edges is not None:
+            plain = tuple(Edge(u, v, np.minimum(self.plain_edges.get((u, v), c), FORBIDDEN))
+                          for (u, v), c in self.edges.items())
+        return Built(problem, self.infos, self.op_node, self.value_node, self.output_node, self.scans, plain)
 
     # -- nodes and edges ---------------------------------------------------------------
 
@@ -375,7 +403,110 @@ class ProblemBuilder:
                               for s in srcs], dtype=np.float64)
         else:
             table = self.tables.table(value.shape, value.itemsize, self.ids_at[(scope, x)], dst)
+            if not scope and scale == 1:
+                info = self.infos[to]
+                self.reads.append(Read(producer, to, x, info.ref if info.kind != "output" else None, dst))
         self.add_edge(producer, to, table * scale if scale != 1 else table)
+
+    def pending_sums(self) -> int:
+        """The program's values that may start a pending sum, as a bitset of value ids.
+
+        An op's result does when some strategy makes it partial from operands
+        that are not (a contraction, a reduction); what only passes a pending
+        sum on (a scaling, an addition, a reshape) does not. A value made by
+        anything but an op (a scan's boundary) does when it may be partial.
+        """
+        bits = 0
+        for (scope, v), (idx, shardings) in self.produced_at.items():
+            if scope:
+                continue
+            info = self.infos[idx]
+            if info.kind == "op" and info.strategies:
+                k = self.graph.ops[info.ref].outputs.index(v)
+                starts = any(st.results[k].partial and not any(o.partial for o in st.operands)
+                             for st in info.strategies)
+            else:
+                starts = any(sh.partial for sh in shardings)
+            if starts:
+                bits |= 1 << v
+        return bits
+
+    def share_merged_latency(self) -> None:
+        """Price the program's last reductions as XLA runs them: merged, one latency for all of them.
+
+        XLA merges independent collectives of a kind (``cost.COMBINED_KINDS``)
+        over the same devices into one. A read is *terminal* when nothing
+        computed from its reader (``Graph.downstream``) may start a pending sum
+        (``pending_sums``): terminal reads of different sums never depend on
+        each other (a training step's gradient reductions are the typical
+        ones). For each merge key with two or more terminal values:
+
+        * a node (off, on) pays the key's latency once when on; a producer
+          strategy whose every read layout needs that collective forces it on,
+          and its read edge drops that latency (exact: the merged collective
+          pays one latency);
+        * where the reader's strategy decides whether the collective runs (it
+          may take another layout instead), the edge pays ``1/m`` of the
+          latency, ``m`` the number of terminal values (optimistic: as if all
+          merged). The undiscounted edges are kept (``plain_edges``): the
+          planner solves those too when the optimism cost the plan.
+
+        The plan's price of its own collectives (``plan.combined_latencies``)
+        follows the merges of the plan it gets.
+        """
+        tables, values, mesh, edges = self.tables, self.graph.values, self.mesh, self.edges
+        latency = [tables.mergeable_latency(values[r.value].shape, values[r.value].itemsize,
+                                            self.ids_at[((), r.value)], r.dst) for r in self.reads]
+        sums = self.pending_sums()
+        below = self.graph.downstream
+        pinned = {p.node: list(p.allowed) for p in self.pins}
+        terminal: dict[tuple, list[tuple[Read, np.ndarray, np.ndarray]]] = {}
+        for r, lat in zip(self.reads, latency):
+            if not lat or (r.consumer is not None and below[r.consumer] & sums):
+                continue
+            edge = edges[(r.producer, r.to)] if (r.producer, r.to) in edges else edges[(r.to, r.producer)].T
+            allowed = edge < FORBIDDEN
+            if r.to in pinned:  # a pinned reader takes only its pinned layouts
+                allowed = allowed & np.isin(np.arange(edge.shape[1]), pinned[r.to])
+            for key, table in lat.items():
+                terminal.setdefault(key, []).append((r, allowed, table))
+        optimistic: dict[tuple[int, int], np.ndarray] = {}
+        for key, reads in terminal.items():
+            merging = len({r.value for r, _, _ in reads})
+            if merging < 2:
+                continue
+            m = min(merging, COMBINE_COUNT)
+            kind, axes, _ = key
+            c = collective_cost(kind, axes, mesh)
+            aux = None
+            for r, allowed, table in reads:
+                once = np.where(allowed, table, np.inf).min(axis=1)
+                forced = np.isfinite(once) & (once > 0)
+                if forced.any():
+                    if aux is None:
+                        aux = self.add(Node(f"merged {kind}{{{','.join(axes)}}}",
+                                            np.array([0.0, c.passes * c.latency * math.ceil(merging / COMBINE_COUNT)]),
+                                            np.zeros(2), (self.horizon - 1, self.horizon), ("off", "on")),
+                                       NodeInfo("merged", -1))
+                    self.add_edge(r.producer, aux, np.stack([np.where(forced, FORBIDDEN, 0.0), np.zeros(len(forced))], 1))
+                    self._discount(r, np.where(forced[:, None] & allowed, np.where(forced, once, 0.0)[:, None], 0.0))
+                rest = np.where(forced[:, None] | ~allowed, 0.0, table * (1 - 1 / m))
+                if rest.any():
+                    k = (r.producer, r.to) if (r.producer, r.to) in edges else (r.to, r.producer)
+                    rest = rest if k == (r.producer, r.to) else rest.T
+                    optimistic[k] = optimistic[k] + rest if k in optimistic else rest
+        self.plain_edges = dict(edges) if optimistic else None
+        for k, rest in optimistic.items():
+            edges[k] = np.where(edges[k] < FORBIDDEN, edges[k] - rest, edges[k])
+
+    def _discount(self, r: Read, drop: np.ndarray) -> None:
+        """Take ``drop`` (producer strategies x reader strategies) off the edge of read ``r``."""
+        edges = self.edges
+        if (r.producer, r.to) in edges:
+            k = (r.producer, r.to)
+        else:
+            k, drop = (r.to, r.producer), drop.T
+        edges[k] = np.where(edges[k] < FORBIDDEN, edges[k] - drop, edges[k])
 
     # -- arguments, constants, outputs, ties ---------------------------------------------
 
@@ -420,6 +551,7 @@ class ProblemBuilder:
             leave = tables.ids([c.evened(value.shape, mesh) for c in cands])
             producer = self.produced_at[((), x)][0]
             self.edges[(producer, idx)] = tables.table(value.shape, value.itemsize, self.ids_at[((), x)], leave)
+            self.reads.append(Read(producer, idx, x, None, leave))
 
     def add_ties(self, ties: Sequence[tuple[int, int]]) -> None:
         """(argument leaf, output leaf) pairs take the same sharding: a forbidden cost off the diagonal."""
@@ -622,25 +754,32 @@ def tie_axes(built: Built, graph: Graph, ties: Sequence[AxisTie],
         if u != v:
             by_pair.setdefault((u, v) if u < v else (v, u), []).append(t if u < v else
                                                                       AxisTie(t.b, t.dim_b, t.a, t.dim_a, t.label))
-    edges = {(e.u, e.v): e.costs for e in built.problem.edges}
+    tables = {}
     for (u, v), group in by_pair.items():
         dims = [(t.dim_a, t.dim_b) for t in group]
-        table = tie_table(nodes[u].shardings, nodes[v].shardings,
-                          lambda a, b: all(a.dims[i] == b.dims[j] for i, j in dims))
-        if (u, v) in edges:
-            edges[(u, v)] = np.minimum(edges[(u, v)] + table, FORBIDDEN)
-        elif (v, u) in edges:
-            edges[(v, u)] = np.minimum(edges[(v, u)] + table.T, FORBIDDEN)
-        else:
-            edges[(u, v)] = table
+        tables[(u, v)] = tie_table(nodes[u].shardings, nodes[v].shardings,
+                                   lambda a, b: all(a.dims[i] == b.dims[j] for i, j in dims))
+
+    def tied(problem_edges: Sequence[Edge]) -> tuple[Edge, ...]:
+        edges = {(e.u, e.v): e.costs for e in problem_edges}
+        for (u, v), table in tables.items():
+            if (u, v) in edges:
+                edges[(u, v)] = np.minimum(edges[(u, v)] + table, FORBIDDEN)
+            elif (v, u) in edges:
+                edges[(v, u)] = np.minimum(edges[(v, u)] + table.T, FORBIDDEN)
+            else:
+                edges[(u, v)] = table
+        return tuple(Edge(u, v, c) for (u, v), c in edges.items())
+
     pins = list(built.problem.pins)
     for leaf, dims, label in whole:
         idx = node_of[leaf]
         allowed = tuple(k for k, s in enumerate(nodes[idx].shardings) if all(not s.dims[d] for d in dims))
         pins.append(Pin(idx, allowed, label))
     p = built.problem
-    problem = Problem(p.nodes, tuple(Edge(u, v, c) for (u, v), c in edges.items()), p.usage_limit, tuple(pins), p.name)
-    return dataclasses.replace(built, problem=problem)
+    problem = Problem(p.nodes, tied(p.edges), p.usage_limit, tuple(pins), p.name)
+    plain = None if built.plain_edges is None else tied(built.plain_edges)
+    return dataclasses.replace(built, problem=problem, plain_edges=plain)
 
 
 def build_problem(

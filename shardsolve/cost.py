@@ -49,7 +49,7 @@ import functools
 import math
 import re
 from dataclasses import dataclass
-from typing import Any, Iterable, NamedTuple, Sequence
+from typing import Any, Callable, Iterable, NamedTuple, Sequence
 
 import numpy as np
 
@@ -130,6 +130,42 @@ def collective_cost(kind: str, axes: tuple[str, ...], mesh: MeshSpec) -> Collect
 def collective_time(kind: str, axes: Sequence[str], nbytes: float, mesh: MeshSpec) -> float:
     """Seconds for one collective over ``axes`` moving ``nbytes`` per device."""
     return collective_cost(kind, tuple(axes), mesh).time(nbytes)
+
+
+# XLA's collective combiners, as the compiled programs priced here run them: the CPU pipeline merges
+# independent all-reduces over the same devices into one (no byte threshold, at most 256 operands), so
+# they pay one latency between them; all-gathers and reduce-scatters run one by one.
+COMBINED_KINDS = frozenset({"all-reduce"})
+COMBINE_COUNT = 256
+
+
+def combine_groups(keys: Sequence[Any], depends: Callable[[int, int], bool],
+                   count: int = COMBINE_COUNT) -> list[list[int]]:
+    """Which of collectives ``0..n-1`` (in program order) XLA's combiner merges: a list of groups.
+
+    ``keys[i]`` is what must match for two to merge (``None``: never merged);
+    ``depends(i, j)`` for ``i < j`` whether ``j`` needs ``i``'s result. Like
+    XLA's ``CombineInstructionsByKey``: the first collective left opens a group
+    of its key, the later ones of that key join it until one depends on a
+    member (or ``count`` are in); the rest are walked again.
+    """
+    left = [i for i, k in enumerate(keys) if k is not None]
+    groups = [[i] for i, k in enumerate(keys) if k is None]
+    while left:
+        first, rest = left[0], []
+        group, closed = [first], False
+        for i in left[1:]:
+            if closed or keys[i] != keys[first]:
+                rest.append(i)
+            elif any(depends(j, i) for j in group):
+                closed = True
+                rest.append(i)
+            else:
+                group.append(i)
+                closed = len(group) >= count
+        groups.append(group)
+        left = rest
+    return sorted(groups)
 
 
 # XLA's loop fusion, as the cost model sees it: an operation in FUSED_PRODUCERS fuses into the readers of
@@ -538,6 +574,7 @@ class ReshardTables:
         self.shardings: list[Sharding] = []
         self._small: dict[tuple, np.ndarray] = {}
         self._full: dict[tuple, np.ndarray] = {}
+        self._merged: dict[tuple, np.ndarray] = {}
 
     def ids(self, shardings: Sequence[Sharding]) -> np.ndarray:
         out = np.empty(len(shardings), dtype=np.int64)
@@ -572,3 +609,28 @@ class ReshardTables:
         out = self._full[full_key] = small[np.ix_(si, di)]
         out.flags.writeable = False
         return out
+
+    def mergeable_latency(self, shape: tuple[int, ...], itemsize: int, src: np.ndarray,
+                          dst: np.ndarray) -> dict[tuple, np.ndarray]:
+        """The latency in ``table``'s seconds of collectives XLA may merge (``COMBINED_KINDS``), per merge key.
+
+        A key is (kind, axes, reduction); a merged collective pays its latency
+        once for all its members.
+        """
+        su, si = np.unique(src, return_inverse=True)
+        du, di = np.unique(dst, return_inverse=True)
+        key = (shape, itemsize, su.tobytes(), du.tobytes())
+        small = self._merged.get(key)
+        if small is None:
+            shardings, mesh = self.shardings, self.mesh
+            small = self._merged[key] = {}
+            for a, s in enumerate(su):
+                for b, d in enumerate(du):
+                    for step in reshard_steps(shape, itemsize, shardings[s], shardings[d], mesh) or ():
+                        if step.kind in COMBINED_KINDS:
+                            c = collective_cost(step.kind, step.axes, mesh)
+                            k = (step.kind, step.axes, step.src.reduce_op)
+                            if k not in small:
+                                small[k] = np.zeros((len(su), len(du)), dtype=np.float64)
+                            small[k][a, b] += c.passes * c.latency
+        return {k: t[np.ix_(si, di)] for k, t in small.items()}

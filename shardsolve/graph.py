@@ -108,6 +108,23 @@ class Graph:
         """The value ids among ``outputs`` (literals left out)."""
         return frozenset(x for x in self.outputs if not isinstance(x, Lit))
 
+    @functools.cached_property
+    def downstream(self) -> tuple[int, ...]:
+        """Per op id, the values computed from its results, its results included, as a bitset (bit ``v``: value ``v``).
+
+        ``downstream[k] >> v & 1`` says whether value ``v`` depends on op ``k``
+        (what XLA's combiners ask before merging two collectives).
+        """
+        below = [0] * len(self.ops)
+        for op in reversed(self.ops):
+            bits = 0
+            for v in op.outputs:
+                bits |= 1 << v
+                for k, _ in self.consumers.get(v, ()):
+                    bits |= below[k]
+            below[op.id] = bits
+        return tuple(below)
+
     def body(self, op: Op) -> Graph:
         """The graph of a ``scan`` op's body, nested calls inlined (built once, then cached).
 

@@ -22,13 +22,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from shardsolve.cost import collective_time
+from shardsolve.cost import COMBINED_KINDS, collective_cost, collective_time, combine_groups
 from shardsolve.errors import ShardsolveError
 from shardsolve.export import named_tree, plan_jit
 from shardsolve.files import write_atomically
 from shardsolve.graph import Graph
 from shardsolve.mesh import MeshAxis, MeshSpec
-from shardsolve.schedule import Schedule, build_schedule
+from shardsolve.schedule import ARGUMENT, OUTPUT, Schedule, build_schedule
 from shardsolve.sharding import Sharding
 from shardsolve.trace import trace
 from shardsolve.version import __version__
@@ -55,9 +55,13 @@ class PredictedCollective:
     # Runs of it: inside a scan body, the scan's length (times enclosing scans'). ``bytes`` is
     # one run's (a compiled while loop shows its body's collectives once); ``time`` is all runs'.
     repeats: int = 1
+    # XLA merges it into an earlier collective of its kind (``combined_latencies``): ``time`` has no latency.
+    merged: bool = False
 
     def to_json(self) -> dict:
         extra = {"repeats": self.repeats} if self.repeats != 1 else {}
+        if self.merged:
+            extra["merged"] = True
         return {
             **extra,
             "kind": self.kind,
@@ -78,21 +82,56 @@ class PredictedCollective:
         return cls(
             d["kind"], tuple(d["axes"]), int(d["bytes"]), float(d["time"]), int(d["value"]), d["value_name"],
             Sharding.from_json(d["src"]), Sharding.from_json(d["dst"]), d["producer"], d["consumer"],
-            Sharding.from_json(d["target"]), int(d.get("repeats", 1)),
+            Sharding.from_json(d["target"]), int(d.get("repeats", 1)), bool(d.get("merged", False)),
         )
 
 
 def predicted_collectives(schedule: Schedule, mesh: MeshSpec,
                           time: Callable[[str, tuple[str, ...], int, MeshSpec], float] = collective_time,
                           ) -> tuple[PredictedCollective, ...]:
-    """The schedule's collective steps, priced: ``time(kind, axes, bytes, mesh)`` per run, times its repeats."""
-    return tuple(
-        PredictedCollective(
-            step.kind, step.axes, step.bytes, time(step.kind, step.axes, step.bytes, mesh) * d.repeats,
-            d.anchor, d.value_name, step.src, step.dst, d.producer, d.consumer, d.target, d.repeats,
-        )
-        for d, step in schedule.collective_steps()
-    )
+    """The schedule's collective steps, priced: ``time(kind, axes, bytes, mesh)`` per run, times its repeats.
+
+    With the default price, a collective that XLA merges into an earlier one
+    (``combined_latencies``) pays no latency of its own: the merged collective
+    pays one.
+    """
+    pairs = list(schedule.collective_steps())
+    merged = combined_latencies(schedule, pairs) if time is collective_time and schedule.graph is not None else set()
+    out = []
+    for k, (d, step) in enumerate(pairs):
+        seconds = time(step.kind, step.axes, step.bytes, mesh)
+        if k in merged:
+            c = collective_cost(step.kind, step.axes, mesh)
+            seconds -= c.passes * c.latency
+        out.append(PredictedCollective(
+            step.kind, step.axes, step.bytes, seconds * d.repeats, d.anchor, d.value_name, step.src, step.dst,
+            d.producer, d.consumer, d.target, d.repeats, k in merged,
+        ))
+    return tuple(out)
+
+
+def combined_latencies(schedule: Schedule, pairs: list) -> set[int]:
+    """Of the (demand, step) ``pairs`` (``schedule.collective_steps()``), those whose latency an earlier one pays.
+
+    XLA merges independent collectives of ``cost.COMBINED_KINDS`` over the same
+    devices and reduction (``cost.combine_groups``); one depends on another when
+    its value is computed from the other's reader (``Graph.downstream``) or is
+    the same value. Demands in the same scan body merge with each other.
+    """
+    keys = []
+    for d, step in pairs:
+        mergeable = step.kind in COMBINED_KINDS and d.scope == d.site.scope and d.site.kind != ARGUMENT
+        keys.append((d.site.scope, step.axes, step.src.reduce_op) if mergeable else None)
+
+    def depends(i: int, j: int) -> bool:
+        a, b = pairs[i][0], pairs[j][0]
+        if a is b or a.value == b.value:
+            return True
+        if a.site.kind == OUTPUT:
+            return False
+        return bool(schedule.graph_of(a.site.scope).downstream[a.site.index] >> b.value & 1)
+
+    return {k for group in combine_groups(keys, depends) for k in group[1:]}
 
 
 @dataclass(frozen=True, slots=True)

@@ -71,8 +71,10 @@ def to_plan(graph: Graph, built: Built, solution, mesh: MeshSpec, fun: Callable 
                     for k, x in enumerate(graph.outputs))
     fallbacks: Counter = Counter()
     ops = _op_plans(graph, built, a, (), fallbacks)
-    # Every node's cost is compute or memory time (ops, a scan's stacked outputs); reshards are on the edges.
-    compute = float(sum(node.costs[a[k]] for k, node in enumerate(built.problem.nodes)))
+    # Every node's cost is compute or memory time (ops, a scan's stacked outputs), but for the latency of
+    # merged collectives (build.share_merged_latency); reshards are on the edges.
+    compute = float(sum(node.costs[a[k]] for k, (node, info) in enumerate(zip(built.problem.nodes, built.nodes))
+                        if info.kind != "merged"))
     collectives = predicted_collectives(build_schedule(graph, mesh, inputs, consts, outputs, ops), mesh)
     communication = sum(c.time for c in collectives)
     by_kind: Counter = Counter()
@@ -193,14 +195,18 @@ def plan(
     if memory_check not in MEMORY_CHECKS:
         raise ShardsolveError(f"memory_check={memory_check!r} is not one of {', '.join(map(repr, MEMORY_CHECKS))}")
     free = None
+
+    def price(solution) -> float:  # a solution's step time as its plan counts it (merged collectives included)
+        return to_plan(graph, built, solution, mesh_spec, fun, source).cost.total
+
     if logical_rules:
         axes = _logical_axes(args, graph, in_shardings, mesh_spec)
         say(f"solving without logical-axis ties ({len(built.problem.nodes)} nodes)")
-        free = _solve(built, time_limit, seed, tie, say if progress else None)
+        free = _solve(built, time_limit, seed, tie, say if progress else None, price)
         built = tie_axes(built, graph, axes.ties(), axes.whole())
     say(f"solving ({len(built.problem.nodes)} nodes, {built.problem.num_strategies} strategies)")
     try:
-        solution = _solve(built, time_limit, seed, tie, say if progress else None)
+        solution = _solve(built, time_limit, seed, tie, say if progress else None, price)
     except Interrupted as interrupt:  # Ctrl-C: hand back the best complete plan so far, where there is one
         best = interrupt.solution
         if best is not None and len(best.assignment) == len(built.problem.nodes):
@@ -208,7 +214,7 @@ def plan(
         raise
     if limit is not None and memory_check == "compiled" and _devices_present(mesh_spec):
         result = _within_compiled_memory(graph, built, solution, mesh_spec, fun, args, source, limit, time_limit,
-                                         seed, tie, say, progress)
+                                         seed, tie, say, progress, price)
     else:
         _refuse_unsolved(built, solution, limit)
         say("done")
@@ -238,6 +244,7 @@ def _logical_axes(args: tuple, graph: Graph, in_shardings: Any, mesh: MeshSpec) 
 
 MEMORY_CHECKS = ("compiled", "model")
 MEMORY_ROUNDS = 4  # solves at most, the first included
+OPTIMISM = 0.005  # how much optimistic pricing of merged collectives may cost a plan before the plain problem is solved
 
 
 def _refuse_unsolved(built: Built, solution, limit: float | None, detail: str = "") -> None:
@@ -266,7 +273,7 @@ def _compiled_peak(plan: Plan, args: tuple) -> int:
 
 def _within_compiled_memory(graph: Graph, built: Built, solution, mesh: MeshSpec, fun: Callable, args: tuple,
                             source: str, limit: float, time_limit: float | None, seed: int, tie: bool,
-                            say: Callable[[str], None], progress) -> Plan:
+                            say: Callable[[str], None], progress, price: Callable[[Any], float] | None = None) -> Plan:
     """The fastest plan found whose compiled program's peak memory is within ``limit`` (``plan``'s ``memory_check``).
 
     The model's peak and the compiled one differ by what the model does not
@@ -281,7 +288,7 @@ def _within_compiled_memory(graph: Graph, built: Built, solution, mesh: MeshSpec
     best: tuple[Plan, int] | None = None
     lo, hi, internal, rounds, compiled = 0.0, math.inf, limit, 0, None
     if not math.isfinite(solution.cost) and solution.status == "infeasible":
-        free = _solve(_limited(built, None), time_limit, seed, tie, None)
+        free = _solve(_limited(built, None), time_limit, seed, tie, None, price)
         excess = 0.0
         if math.isfinite(free.cost):
             probe = to_plan(graph, built, free, mesh, fun, source)
@@ -291,7 +298,7 @@ def _within_compiled_memory(graph: Graph, built: Built, solution, mesh: MeshSpec
         lo, internal = limit, limit + excess
         say(f"the model counts {format_bytes(excess)} more than the compiled program: solving under "
             f"{format_bytes(internal)}")
-        solution = _solve(_limited(built, internal), time_limit, seed, tie, say if progress else None)
+        solution = _solve(_limited(built, internal), time_limit, seed, tie, say if progress else None, price)
     while True:
         rounds += 1
         solved = solution.status not in ("infeasible", "unknown") and math.isfinite(solution.cost)
@@ -316,7 +323,7 @@ def _within_compiled_memory(graph: Graph, built: Built, solution, mesh: MeshSpec
         why = (f"compiled peak memory {format_bytes(compiled)} is over the limit" if solved and compiled > limit
                else "no plan under the last limit" if not solved else "looking for a faster plan that fits")
         say(f"{why}: solving again under {format_bytes(internal)} as the model counts it")
-        solution = _solve(_limited(built, internal), time_limit, seed, tie, say if progress else None)
+        solution = _solve(_limited(built, internal), time_limit, seed, tie, say if progress else None, price)
     if best is None:
         if compiled is None:
             _refuse_unsolved(_limited(built, internal), solution, limit, f", {format_bytes(internal)} as the model "
@@ -362,7 +369,36 @@ def _traced_problem(fun: Callable, args: tuple, mesh: MeshSpec, in_shardings: An
     return graph, built
 
 
-def _solve(built: Built, time_limit: float | None, seed: int, tie: bool, say: Callable[[str], None] | None):
+def _solve(built: Built, time_limit: float | None, seed: int, tie: bool, say: Callable[[str], None] | None,
+           price: Callable[[Any], float] | None = None):
+    """The solver's ``Solution``, tied where the program repeats itself (``tie``).
+
+    Where the problem prices merged collectives optimistically
+    (``Built.plain_edges``, see ``build.share_merged_latency``) and ``price``
+    (a solution's step time as the plan counts it) says the optimism cost more
+    than ``OPTIMISM`` of it, the problem with every latency paid is solved too,
+    and the faster plan kept; each solve then gets half of ``time_limit``.
+    """
+    if price is None or built.plain_edges is None:
+        return _search(built, time_limit, seed, tie, say)
+    half = None if time_limit is None else time_limit / 2
+    solution = _search(built, half, seed, tie, say)
+    if not _found(solution):
+        return solution
+    exact = price(solution)
+    if exact - solution.cost <= OPTIMISM * exact:
+        return solution
+    if say:
+        say("merged collectives priced optimistically cost the plan: solving with every latency paid too")
+    plain = _search(built.plain(), half, seed, tie, say)
+    return plain if _found(plain) and price(plain) < exact else solution
+
+
+def _found(solution) -> bool:
+    return solution.status not in ("infeasible", "unknown") and math.isfinite(solution.cost)
+
+
+def _search(built: Built, time_limit: float | None, seed: int, tie: bool, say: Callable[[str], None] | None):
     """The solver's ``Solution``: tied where the program repeats itself (``tie``), else searched untied."""
     solver_progress = _solver_progress(say) if say else None
     solution = None

@@ -100,6 +100,7 @@ class Schedule:
 
     demands: tuple[Demand, ...]
     _by_site: dict[Site, tuple[Demand, ...]] = field(default_factory=dict, compare=False, repr=False)
+    graph: Graph | None = field(default=None, compare=False, repr=False)  # the program the demands are of
 
     def __post_init__(self) -> None:
         index: dict[Site, list[Demand]] = {}
@@ -110,6 +111,15 @@ class Schedule:
     def at(self, site: Site) -> tuple[Demand, ...]:
         """The demands that run at ``site``, in order."""
         return self._by_site.get(site, ())
+
+    def graph_of(self, scope: Scope) -> Graph:
+        """The graph of ``scope``: the program, or the body of the scan ops it names."""
+        if self.graph is None:
+            raise ShardsolveError("this schedule was built without its program")
+        g = self.graph
+        for k in scope:
+            g = g.body(g.ops[k])
+        return g
 
     def collective_steps(self) -> Iterator[tuple[Demand, ReshardStep]]:
         """Every (demand, step) that communicates, in program order: what a cost function prices."""
@@ -203,7 +213,7 @@ class _Builder:
         targets = [s if isinstance(x, Lit) else s.evened(values[x].shape, self.mesh)
                    for x, s in zip(graph.outputs, outputs)]  # an uneven output leaves evened
         self.walk(top, ops, targets, [f"outputs[{k}]" for k in range(len(graph.outputs))])
-        return Schedule(tuple(self.demands))
+        return Schedule(tuple(self.demands), graph=graph)
 
     def reshard(self, at: _Scope, site: Site, value: Value, vid: int, start: Sharding, target: Sharding,
                 consumer: str, *, into: int | None = None, cache: bool = True) -> None:
