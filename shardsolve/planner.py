@@ -378,7 +378,12 @@ def _solve(built: Built, time_limit: float | None, seed: int, tie: bool, say: Ca
     (a solution's step time as the plan counts it) says the optimism cost more
     than ``OPTIMISM`` of it, the problem with every latency paid is solved too,
     and the faster plan kept; each solve then gets half of ``time_limit``.
+    Under a memory limit only the latter is solved.
     """
+    if built.plain_edges is not None and built.problem.usage_limit is not None:
+        # Under a memory limit the search needs its whole time (and the compiled-memory search its
+        # rounds): the plain problem alone, whose merged latencies are the exact ones.
+        return _search(built.plain(), time_limit, seed, tie, say)
     if price is None or built.plain_edges is None:
         return _search(built, time_limit, seed, tie, say)
     half = None if time_limit is None else time_limit / 2
@@ -386,12 +391,17 @@ def _solve(built: Built, time_limit: float | None, seed: int, tie: bool, say: Ca
     if not _found(solution):
         return solution
     exact = price(solution)
-    if exact - solution.cost <= OPTIMISM * exact:
+    optimism = (exact - solution.cost) / exact if exact > 0 else 0.0
+    solution = dataclasses.replace(solution, stats=dict(solution.stats) | {"merge_optimism": optimism})
+    if optimism <= OPTIMISM:
         return solution
     if say:
-        say("merged collectives priced optimistically cost the plan: solving with every latency paid too")
+        say(f"merged collectives priced optimistically cost the plan {optimism:.1%}: solving with every latency "
+            "paid too")
     plain = _search(built.plain(), half, seed, tie, say)
-    return plain if _found(plain) and price(plain) < exact else solution
+    if _found(plain) and price(plain) < exact:
+        return dataclasses.replace(plain, stats=dict(plain.stats) | {"merge_pricing": "plain"})
+    return solution
 
 
 def _found(solution) -> bool:

@@ -122,6 +122,7 @@ def print_plan(plan: Plan, console: Console, top: int = 10) -> None:
         for col in ("kind", "axes", "bytes", "time (us)", "value", "from -> to", "demanded by"):
             coll.add_column(col)
         for p in sorted(plan.collectives, key=lambda p: -p.time)[:top]:
-            coll.add_row(p.kind, ",".join(p.axes), format_bytes(p.bytes), f"{p.time * 1e6:.2f}", p.value_name,
+            coll.add_row(p.kind + (" (merged)" if p.merged else ""), ",".join(p.axes), format_bytes(p.bytes),
+                         f"{p.time * 1e6:.2f}", p.value_name,
                          f"{p.src} -> {p.dst}", p.consumer)
         console.print(coll)
