@@ -38,7 +38,7 @@ from typing import Callable
 
 import numpy as np
 
-from shardsolve.encodings import bounds, cpsat, heuristics, search
+from shardsolve.encodings import bounds, cpsat, heuristics, moves, search
 from shardsolve.encodings.flat import CHARGE_PER_ITEM, Flat, evaluate, flatten, softened, subproblem
 from shardsolve.encodings.presolve import Reduced, reduce
 from shardsolve.errors import InfeasibleError, Interrupted, ShardsolveError
@@ -206,6 +206,7 @@ class Portfolio:
         self.best_cost = math.inf
         self.guide: np.ndarray | None = None  # the LP relaxation rounded, where it was solved
         self.marginals: list[np.ndarray] | None = None
+        self.moves: moves.GroupMoves | None = None  # built on first use
 
     # -- bookkeeping -------------------------------------------------------------------------------
 
@@ -449,13 +450,15 @@ class Portfolio:
             self.bound = max(self.bound, bounds.dual_bound(flat, iterations=50))
             self.budget -= 100 * CHARGE_PER_ITEM * (flat.n + len(flat.tables))
 
-    def one_node_moves(self) -> None:
-        """Rounds of vectorised one-node moves (``heuristics.OneNodeMoves``) from the incumbent."""
-        if not heuristics.OneNodeMoves.fits(self.flat) or self.budget <= 0:
+    def group_moves(self) -> None:
+        """Rounds of vectorised group moves (``moves.GroupMoves``: nodes and small components) from the incumbent."""
+        if not moves.GroupMoves.fits(self.flat) or self.budget <= 0:
             return
-        moves = heuristics.OneNodeMoves(self.flat)
-        rounds = int(min(MOVE_ROUNDS, max(1.0, MOVE_SHARE * self.budget / moves.round_charge)))
-        x, done, used = moves.descend(self.best_x, rounds=rounds)
+        if self.moves is None:
+            self.moves = moves.GroupMoves(self.flat, search.forbidden_components(self.flat))
+            self.budget -= 5 * CHARGE_PER_ITEM * (self.flat.n + len(self.flat.tables))
+        rounds = int(min(MOVE_ROUNDS, max(1.0, MOVE_SHARE * self.budget / self.moves.round_charge)))
+        x, done, used = self.moves.descend(self.best_x, rounds=rounds)
         self.budget -= used
         self.stats["move_rounds"] = self.stats.get("move_rounds", 0) + done
         self.consider(x, evaluate(self.flat, x))
@@ -468,7 +471,7 @@ class Portfolio:
         """
         flat, stats = self.flat, self.stats
         if self.decision > EXACT_NODES:
-            self.one_node_moves()
+            self.group_moves()
             x, cost, used, descent_stats = search.component_descent(
                 flat, self.best_x, budget=DESCENT_SHARE * max(0.0, self.budget), seed=self.seed,
                 wall_limit=DESCENT_SHARE * self.wall_left(),
@@ -477,7 +480,7 @@ class Portfolio:
             stats.update(descent_stats)
             self.consider(x, cost)
             self.report("component descent", self.best_cost + self.offset, self.bound + self.offset)
-            self.one_node_moves()
+            self.group_moves()
         x, cost, lns_stats = search.lns(
             flat, self.best_x, budget=max(0.0, self.budget), seed=self.seed, progress=self.shifted,
             lower_bound=self.bound, wall_limit=self.wall_left(), guide=self.guide,

@@ -1,0 +1,291 @@
+r"""Vectorised group moves: every node, or every small component, moves to its best choice at once.
+
+A *group* is one node, or one small component of forbidden-bearing edges
+(``search.forbidden_components``) whose valid joint assignments (*configs*)
+were enumerated once: functional edges (one node's strategy fixes
+another's) make such a component change all together or not at all, which
+one-node moves never manage. A round of ``GroupMoves.descend``::
+
+    ext[i, s]   = c_i[s] + sum_{external edges (i, j)} C_ij[s, x_j]        (two bincounts)
+    cost[g, k]  = sum_{m in g} ext[m, k_m] + internal_g[k]                  (one bincount)
+    room[g]     = least free capacity over the hull of g's intervals        (a sparse range-minimum table)
+    allowed     = configs whose summed usage increases fit room[g]
+    gain[g]     = cost[g, current] - min_k allowed cost[g, k]
+
+Groups that gain and beat every gaining neighbour group (larger gain, ties to
+the lower index) move together: no two movers share an edge, so the cost
+falls by exactly the sum of their gains. Memory is checked exactly on the
+moved profile; movers that raise usage in a segment left over capacity move
+back (all but the best when none would be left: alone it fits), so every
+round keeps the assignment valid. No Python loop runs per node in a round;
+the work is charged per entry touched, so the result does not depend on the
+clock.
+
+Worked example: nodes ``a`` and ``b`` joined by an edge that allows only
+``(0, 0)`` and ``(1, 1)`` form one group with configs ``[[0, 0], [1, 1]]``;
+``a`` alone could never leave strategy 0 (every other pair is forbidden),
+the group moves both to 1 when that is cheaper.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from shardsolve.encodings.flat import CHARGE_PER_ITEM, INF, Flat, profile, tolerance
+
+__all__ = ["GroupMoves", "GROUP_MAX_NODES", "GROUP_MAX_CONFIGS"]
+
+#: A component of forbidden-bearing edges becomes one group up to this many nodes ...
+GROUP_MAX_NODES = 500
+#: ... and this many valid joint assignments (else its nodes move one by one).
+GROUP_MAX_CONFIGS = 512
+#: Deterministic charge (seconds) per strategy, config entry and table-row entry touched by one round.
+CHARGE_PER_ENTRY = 2e-8
+#: ``GroupMoves`` is not built when the edge tables hold more entries than this.
+MOVES_MAX_ENTRIES = 60_000_000
+
+
+def _configs(flat: Flat, members: np.ndarray, internal: list[int]) -> np.ndarray | None:
+    """Every valid joint assignment of ``members`` (rows; columns in ``members`` order), or None if too many."""
+    by_node: dict[int, list[int]] = {int(m): [] for m in members}
+    for e in internal:
+        by_node[int(flat.eu[e])].append(e)
+        by_node[int(flat.ev[e])].append(e)
+    # breadth-first order along the internal edges, so that each node meets its constraints early
+    seen, order = {int(members[0])}, [int(members[0])]
+    for m in members:
+        if int(m) not in seen:
+            seen.add(int(m))
+            order.append(int(m))
+        head = len(order) - 1
+        while head < len(order):
+            i = order[head]
+            head += 1
+            for e in by_node[i]:
+                j = int(flat.ev[e]) if int(flat.eu[e]) == i else int(flat.eu[e])
+                if j not in seen:
+                    seen.add(j)
+                    order.append(j)
+    pos = {m: k for k, m in enumerate(order)}
+    rows = np.zeros((1, 0), dtype=np.int64)
+    done: list[int] = []
+    for m in order:
+        options = np.flatnonzero(np.isfinite(flat.costs[m]))
+        rows = np.concatenate([np.repeat(rows, len(options), axis=0), np.tile(options, len(rows))[:, None]], axis=1)
+        col = len(done)
+        done.append(m)
+        keep = np.ones(len(rows), dtype=bool)
+        for e in by_node[m]:
+            u, v = int(flat.eu[e]), int(flat.ev[e])
+            other = v if u == m else u
+            if other not in pos or pos[other] >= col:
+                continue
+            a, b = (rows[:, col], rows[:, pos[other]]) if u == m else (rows[:, pos[other]], rows[:, col])
+            keep &= np.isfinite(flat.tables[e][a, b])
+        rows = rows[keep]
+        if len(rows) > GROUP_MAX_CONFIGS or not len(rows):
+            return None
+    return rows[:, [pos[int(m)] for m in members]]
+
+
+class GroupMoves:
+    """Rounds of simultaneous group moves (see the module docstring), built once per problem."""
+
+    def __init__(self, flat: Flat, comp: np.ndarray | None = None):
+        self.flat = flat
+        n = flat.n
+        sizes = np.array([len(c) for c in flat.costs], dtype=np.int64)
+        self.offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
+        self.costs = np.concatenate(flat.costs) if n else np.zeros(0)
+        self.usages = np.concatenate(flat.usages) if n else np.zeros(0)
+        eu, ev = flat.eu.astype(np.int64), flat.ev.astype(np.int64)
+        # groups: small components with their configs; every other node alone
+        group_of = np.arange(n, dtype=np.int64)
+        multi: list[tuple[np.ndarray, np.ndarray, list[int]]] = []
+        if comp is not None and n:
+            counts = np.bincount(comp)
+            small = (counts[comp] > 1) & (counts[comp] <= GROUP_MAX_NODES)
+            same = small[eu] & (comp[eu] == comp[ev])
+            order = np.argsort(comp, kind="stable")
+            order = order[small[order]]
+            internal_by: dict[int, list[int]] = {}
+            for e in np.flatnonzero(same):
+                internal_by.setdefault(int(comp[eu[e]]), []).append(int(e))
+            if len(order):
+                cuts = np.flatnonzero(np.diff(comp[order])) + 1
+                for members in np.split(order, cuts):
+                    internal = internal_by.get(int(comp[members[0]]), [])
+                    rows = _configs(flat, members, internal)
+                    if rows is not None and len(rows) > 1:
+                        multi.append((members, rows, internal))
+        internal_edge = np.zeros(len(eu), dtype=bool)
+        # config arrays, group by group: singletons first (one config per strategy), then the components
+        grouped = np.zeros(n, dtype=bool)
+        for members, _, internal in multi:
+            grouped[members] = True
+            internal_edge[internal] = True
+        singles = np.flatnonzero(~grouped)
+        ngroups = len(singles) + len(multi)
+        group_of[singles] = np.arange(len(singles))
+        cfg_group = [np.repeat(np.arange(len(singles)), sizes[singles])]
+        ent_slot = [np.flatnonzero(~grouped[np.repeat(np.arange(n), sizes)])]
+        ent_cfg = [np.arange(len(ent_slot[0]))]
+        cfg_internal = [np.zeros(len(ent_slot[0]))]
+        n_cfg = len(ent_slot[0])
+        for g, (members, rows, internal) in enumerate(multi, start=len(singles)):
+            group_of[members] = g
+            k = len(rows)
+            cfg_group.append(np.full(k, g, dtype=np.int64))
+            ent_slot.append((self.offsets[members][None, :] + rows).ravel())
+            ent_cfg.append(np.repeat(np.arange(n_cfg, n_cfg + k), len(members)))
+            col = {int(m): c for c, m in enumerate(members)}
+            inside = np.zeros(k)
+            for e in internal:
+                inside += flat.tables[e][rows[:, col[int(eu[e])]], rows[:, col[int(ev[e])]]]
+            cfg_internal.append(inside)
+            n_cfg += k
+        self.group_of = group_of
+        self.ngroups = ngroups
+        self.groups_multi = len(multi)
+        self.cfg_group = np.concatenate(cfg_group).astype(np.int64)
+        self.ent_slot = np.concatenate(ent_slot).astype(np.int64)
+        self.ent_cfg = np.concatenate(ent_cfg).astype(np.int64)
+        self.cfg_internal = np.concatenate(cfg_internal)
+        self.slot_node = np.repeat(np.arange(n), sizes)
+        self.ent_node = self.slot_node[self.ent_slot]
+        self.cfg_start = np.concatenate([[0], np.flatnonzero(np.diff(self.cfg_group)) + 1]).astype(np.int64)
+        self.group_size = np.bincount(group_of, minlength=ngroups)
+        self.ncfg = np.bincount(self.cfg_group, minlength=ngroups)
+        # external edges, as in OneNodeMoves: entry (edge, row a) adds table[a, x_v] to strategy a of u
+        ext = ~internal_edge
+        self.ext_u, self.ext_v = eu[ext], ev[ext]
+        su, sv = sizes[eu], sizes[ev]
+        toff = np.concatenate([[0], np.cumsum(su * sv)[:-1]]).astype(np.int64)
+        self.table = np.concatenate([t.ravel() for t in flat.tables]) if len(flat.tables) else np.zeros(0)
+        edges = np.flatnonzero(ext)
+        k_u = np.repeat(edges, su[edges])
+        a = np.arange(len(k_u)) - np.repeat(np.concatenate([[0], np.cumsum(su[edges])[:-1]]), su[edges])
+        self.u_target = self.offsets[eu][k_u] + a
+        self.u_base = toff[k_u] + a * sv[k_u]
+        self.u_other = ev[k_u]
+        k_v = np.repeat(edges, sv[edges])
+        b = np.arange(len(k_v)) - np.repeat(np.concatenate([[0], np.cumsum(sv[edges])[:-1]]), sv[edges])
+        self.v_target = self.offsets[ev][k_v] + b
+        self.v_base = toff[k_v] + b
+        self.v_other = eu[k_v]
+        self.v_stride = sv[k_v]
+        # memory: the hull of each group's intervals
+        s0, s1 = flat.seg_start, flat.seg_end
+        has = s1 > s0
+        big = np.iinfo(np.int64).max
+        lo = np.full(ngroups, big, dtype=np.int64)
+        hi = np.full(ngroups, -1, dtype=np.int64)
+        np.minimum.at(lo, group_of[has], s0[has])
+        np.maximum.at(hi, group_of[has], s1[has])
+        self.hull_has = hi > lo
+        self.hull_lo, self.hull_hi = np.where(self.hull_has, lo, 0), np.where(self.hull_has, hi, 1)
+        self.round_charge = CHARGE_PER_ENTRY * (len(self.costs) + 2 * len(self.ent_slot) + len(self.u_target)
+                                                + len(self.v_target)) + CHARGE_PER_ITEM * 0.1 * (n + len(eu))
+
+    @staticmethod
+    def fits(flat: Flat) -> bool:
+        return sum(t.size for t in flat.tables) <= MOVES_MAX_ENTRIES
+
+    def external_costs(self, x: np.ndarray) -> np.ndarray:
+        """Every strategy's node cost plus its external edges towards the neighbours' strategies in ``x``."""
+        m = len(self.costs)
+        out = self.costs.copy()
+        if len(self.u_target):
+            out += np.bincount(self.u_target, self.table[self.u_base + x[self.u_other]], minlength=m)
+            out += np.bincount(self.v_target, self.table[self.v_base + x[self.v_other] * self.v_stride], minlength=m)
+        return out
+
+    def _range_min(self, free: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+        """``min(free[lo:hi])`` for every pair (``hi > lo``), from a sparse table."""
+        levels = [free]
+        top = int((hi - lo).max(initial=1))
+        while (1 << len(levels)) <= top:
+            prev, step = levels[-1], 1 << (len(levels) - 1)
+            levels.append(np.minimum(prev[:-step], prev[step:]))
+        k = np.floor(np.log2(hi - lo)).astype(np.int64)
+        out = np.empty(len(lo))
+        for j in np.unique(k):
+            sel = k == j
+            out[sel] = np.minimum(levels[j][lo[sel]], levels[j][hi[sel] - (1 << j)])
+        return out
+
+    def descend(self, x: np.ndarray, rounds: int = 50) -> tuple[np.ndarray, int, float]:
+        """Rounds of moves from a valid ``x``; returns (new assignment, rounds run, deterministic work)."""
+        flat = self.flat
+        x = np.asarray(x, dtype=np.int64).copy()
+        tol = tolerance(flat)
+        memory = len(flat.capacity) > 0
+        prof = profile(flat, x) if memory else np.zeros(0)
+        spent, done = 0.0, 0
+        ncfg = len(self.cfg_group)
+        for done in range(1, rounds + 1):
+            spent += self.round_charge
+            ext = self.external_costs(x)
+            cost = np.bincount(self.ent_cfg, ext[self.ent_slot], minlength=ncfg) + self.cfg_internal
+            cur_slot = self.offsets[self.ent_node] + x[self.ent_node]
+            is_cur = np.bincount(self.ent_cfg, self.ent_slot == cur_slot, minlength=ncfg)
+            current = is_cur == self.group_size[self.cfg_group]
+            allowed = cost
+            delta = self.usages[self.ent_slot] - self.usages[cur_slot]
+            if memory:
+                rise = np.bincount(self.ent_cfg, np.maximum(delta, 0.0), minlength=ncfg)
+                room = np.full(self.ngroups, INF)
+                h = self.hull_has
+                if h.any():
+                    room[h] = self._range_min(flat.capacity - prof, self.hull_lo[h], self.hull_hi[h])
+                allowed = np.where((rise <= tol) | (rise <= room[self.cfg_group] + tol), cost, INF)
+            least = np.minimum.reduceat(allowed, self.cfg_start)
+            now = np.full(self.ngroups, INF)
+            now[self.cfg_group[current]] = cost[current]
+            gain = now - least
+            cand = (self.ncfg > 1) & np.isfinite(least) & np.isfinite(now) \
+                & (gain > 1e-9 * np.maximum(1.0, np.abs(np.where(np.isfinite(now), now, 0.0))))
+            if not cand.any():
+                break
+            gu, gv = self.group_of[self.ext_u], self.group_of[self.ext_v]
+            both = cand[gu] & cand[gv] & (gu != gv)
+            gu, gv = gu[both], gv[both]
+            u_wins = (gain[gu] > gain[gv]) | ((gain[gu] == gain[gv]) & (gu < gv))
+            beaten = np.zeros(self.ngroups, dtype=bool)
+            beaten[gv[u_wins]] = True
+            beaten[gu[~u_wins]] = True
+            mover = cand & ~beaten
+            hit = np.flatnonzero((allowed == least[self.cfg_group]) & mover[self.cfg_group])
+            groups, first = np.unique(self.cfg_group[hit], return_index=True)
+            chosen = np.zeros(ncfg, dtype=bool)
+            chosen[hit[first]] = True
+            ents = np.flatnonzero(chosen[self.ent_cfg])
+            nodes = self.ent_node[ents]
+            new = self.ent_slot[ents] - self.offsets[nodes]
+            if memory:
+                change = delta[ents]
+                trial = _shifted_profile(flat, prof, nodes, change)
+                over = trial > flat.capacity + tol
+                if over.any():
+                    count = np.concatenate([[0], np.cumsum(over)])
+                    covers = (count[flat.seg_end[nodes]] - count[flat.seg_start[nodes]] > 0) & (change > 0)
+                    bad = np.zeros(self.ngroups, dtype=bool)
+                    bad[self.group_of[nodes[covers]]] = True
+                    keep_group = mover & ~bad
+                    if not keep_group.any():  # alone, the best of them fits (its room says so)
+                        keep_group[groups[int(np.argmax(gain[groups]))]] = True
+                    keep = keep_group[self.group_of[nodes]]
+                    nodes, new, change = nodes[keep], new[keep], change[keep]
+                    trial = _shifted_profile(flat, prof, nodes, change)
+                prof = trial
+            if not len(nodes):
+                break
+            x[nodes] = new
+        return x, done, spent
+
+
+def _shifted_profile(flat: Flat, prof: np.ndarray, nodes: np.ndarray, change: np.ndarray) -> np.ndarray:
+    delta = np.zeros(len(flat.capacity) + 1)
+    np.add.at(delta, flat.seg_start[nodes], change)
+    np.add.at(delta, flat.seg_end[nodes], -change)
+    return prof + np.cumsum(delta)[:-1]
