@@ -31,9 +31,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from shardsolve.encodings.flat import CHARGE_PER_ITEM, INF, Flat, profile, tolerance
+from dataclasses import replace
 
-__all__ = ["GroupMoves", "GROUP_MAX_NODES", "GROUP_MAX_CONFIGS"]
+from shardsolve.encodings.flat import CHARGE_PER_ITEM, INF, Flat, evaluate, profile, tolerance
+
+__all__ = ["GroupMoves", "priced_descent", "GROUP_MAX_NODES", "GROUP_MAX_CONFIGS", "PRICES"]
 
 #: A component of forbidden-bearing edges becomes one group up to this many nodes ...
 GROUP_MAX_NODES = 500
@@ -41,6 +43,8 @@ GROUP_MAX_NODES = 500
 GROUP_MAX_CONFIGS = 512
 #: Deterministic charge (seconds) per strategy, config entry and table-row entry touched by one round.
 CHARGE_PER_ENTRY = 2e-8
+#: ``priced_descent``: the price on usage where memory binds, as factors of the blocked gain per byte.
+PRICES = tuple(2.0 * 0.7**k for k in range(12)) + (0.0,)
 #: ``GroupMoves`` is not built when the edge tables hold more entries than this.
 MOVES_MAX_ENTRIES = 60_000_000
 
@@ -93,6 +97,7 @@ class GroupMoves:
 
     def __init__(self, flat: Flat, comp: np.ndarray | None = None):
         self.flat = flat
+        self.extra: np.ndarray | None = None  # a cost added to every strategy during ``descend``
         n = flat.n
         sizes = np.array([len(c) for c in flat.costs], dtype=np.int64)
         self.offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
@@ -185,7 +190,33 @@ class GroupMoves:
         self.hull_has = hi > lo
         self.hull_lo, self.hull_hi = np.where(self.hull_has, lo, 0), np.where(self.hull_has, hi, 1)
         self.round_charge = CHARGE_PER_ENTRY * (len(self.costs) + 2 * len(self.ent_slot) + len(self.u_target)
-                                                + len(self.v_target)) + CHARGE_PER_ITEM * 0.1 * (n + len(eu))
+                                                + len(self.v_target)) + CHARGE_PER_ITEM * 0.01 * (n + len(eu))
+
+        # pair moves: edges between two single nodes with a choice each, every entry of their tables
+        single = (self.group_size[group_of] == 1) & (sizes > 1)
+        pair = np.flatnonzero(ext & single[eu] & single[ev])
+        self.pair_edges = pair
+        psu, psv = su[pair], sv[pair]
+        count = psu * psv
+        self.pair_start = np.concatenate([[0], np.cumsum(count)[:-1]]).astype(np.int64)
+        p_of = np.repeat(np.arange(len(pair)), count)
+        local = np.arange(int(count.sum())) - np.repeat(self.pair_start, count)
+        self.pe_pair = p_of
+        self.pe_a = local // np.repeat(psv, count)
+        self.pe_b = local % np.repeat(psv, count)
+        self.pe_table = np.repeat(toff[pair], count) + local
+        self.pair_u, self.pair_v = eu[pair], ev[pair]
+        self.pair_sv = psv
+        plo = np.full(len(pair), big, dtype=np.int64)
+        phi = np.full(len(pair), -1, dtype=np.int64)
+        for end in (self.pair_u, self.pair_v):
+            live = s1[end] > s0[end]
+            plo[live] = np.minimum(plo[live], s0[end][live])
+            phi[live] = np.maximum(phi[live], s1[end][live])
+        self.pair_has = phi > plo
+        self.pair_lo, self.pair_hi = np.where(self.pair_has, plo, 0), np.where(self.pair_has, phi, 1)
+        self.pair_charge = CHARGE_PER_ENTRY * (len(self.costs) + 4 * len(self.pe_table) + len(self.u_target)
+                                               + len(self.v_target)) + CHARGE_PER_ITEM * 0.01 * (n + len(eu))
 
     @staticmethod
     def fits(flat: Flat) -> bool:
@@ -194,7 +225,7 @@ class GroupMoves:
     def external_costs(self, x: np.ndarray) -> np.ndarray:
         """Every strategy's node cost plus its external edges towards the neighbours' strategies in ``x``."""
         m = len(self.costs)
-        out = self.costs.copy()
+        out = self.costs.copy() if self.extra is None else self.costs + self.extra
         if len(self.u_target):
             out += np.bincount(self.u_target, self.table[self.u_base + x[self.u_other]], minlength=m)
             out += np.bincount(self.v_target, self.table[self.v_base + x[self.v_other] * self.v_stride], minlength=m)
@@ -214,12 +245,24 @@ class GroupMoves:
             out[sel] = np.minimum(levels[j][lo[sel]], levels[j][hi[sel] - (1 << j)])
         return out
 
-    def descend(self, x: np.ndarray, rounds: int = 50) -> tuple[np.ndarray, int, float]:
-        """Rounds of moves from a valid ``x``; returns (new assignment, rounds run, deterministic work)."""
+    def descend(self, x: np.ndarray, rounds: int = 50, *, extra: np.ndarray | None = None,
+                memory: bool = True) -> tuple[np.ndarray, int, float]:
+        """Rounds of moves from a valid ``x``; returns (new assignment, rounds run, deterministic work).
+
+        ``extra``: a cost added to every strategy (flat over nodes, as ``costs``), e.g. a price on
+        usage; ``memory=False`` ignores the memory limit (the result may break it).
+        """
+        self.extra = extra
+        try:
+            return self._descend(x, rounds, memory)
+        finally:
+            self.extra = None
+
+    def _descend(self, x: np.ndarray, rounds: int, memory: bool) -> tuple[np.ndarray, int, float]:
         flat = self.flat
         x = np.asarray(x, dtype=np.int64).copy()
         tol = tolerance(flat)
-        memory = len(flat.capacity) > 0
+        memory = memory and len(flat.capacity) > 0
         prof = profile(flat, x) if memory else np.zeros(0)
         spent, done = 0.0, 0
         ncfg = len(self.cfg_group)
@@ -246,6 +289,11 @@ class GroupMoves:
             cand = (self.ncfg > 1) & np.isfinite(least) & np.isfinite(now) \
                 & (gain > 1e-9 * np.maximum(1.0, np.abs(np.where(np.isfinite(now), now, 0.0))))
             if not cand.any():
+                # a local optimum of group moves: two-node moves, then group moves again
+                spent += self.pair_charge
+                x, prof, moved = self.pair_round(x, prof, memory)
+                if moved:
+                    continue
                 break
             gu, gv = self.group_of[self.ext_u], self.group_of[self.ext_v]
             both = cand[gu] & cand[gv] & (gu != gv)
@@ -282,6 +330,141 @@ class GroupMoves:
                 break
             x[nodes] = new
         return x, done, spent
+
+
+    def pair_round(self, x: np.ndarray, prof: np.ndarray, memory: bool = True) -> tuple[np.ndarray, np.ndarray, bool]:
+        """One round of two-node moves along the edges between single nodes; ``x`` and ``prof`` updated in place.
+
+        Per edge ``(u, v)`` the joint cost of every pair ``(a, b)`` (both nodes' external costs without
+        this edge, plus its entry), the best pair whose summed usage increase fits the room over both
+        intervals; the edges that gain most at both ends and beat every adjacent such edge move.
+        Returns (x, profile, whether anything moved).
+        """
+        flat = self.flat
+        if not len(self.pair_edges):
+            return x, prof, False
+        tol = tolerance(flat)
+        memory = memory and len(flat.capacity) > 0
+        ext = self.external_costs(x)
+        u, v, sv = self.pair_u, self.pair_v, self.pair_sv
+        toff_u = self.pe_table - self.pe_a * sv[self.pe_pair] - self.pe_b  # start of each entry's table
+        xu, xv = x[u][self.pe_pair], x[v][self.pe_pair]
+        joint = ext[self.offsets[u][self.pe_pair] + self.pe_a] - self.table[toff_u + self.pe_a * sv[self.pe_pair] + xv] \
+            + ext[self.offsets[v][self.pe_pair] + self.pe_b] - self.table[toff_u + xu * sv[self.pe_pair] + self.pe_b] \
+            + self.table[self.pe_table]
+        cur_u, cur_v = self.offsets[u] + x[u], self.offsets[v] + x[v]
+        is_cur = (self.pe_a == xu) & (self.pe_b == xv)
+        now = np.full(len(u), INF)
+        now[self.pe_pair[is_cur]] = joint[is_cur]
+        allowed = joint
+        du = self.usages[self.offsets[u][self.pe_pair] + self.pe_a] - self.usages[cur_u][self.pe_pair]
+        dv = self.usages[self.offsets[v][self.pe_pair] + self.pe_b] - self.usages[cur_v][self.pe_pair]
+        if memory:
+            rise = np.maximum(du, 0.0) + np.maximum(dv, 0.0)
+            room = np.full(len(u), INF)
+            if self.pair_has.any():
+                room[self.pair_has] = self._range_min(flat.capacity - prof, self.pair_lo[self.pair_has],
+                                                      self.pair_hi[self.pair_has])
+            allowed = np.where((rise <= tol) | (rise <= room[self.pe_pair] + tol), joint, INF)
+        least = np.minimum.reduceat(allowed, self.pair_start)
+        gain = now - least
+        cand = np.flatnonzero(np.isfinite(least) & np.isfinite(now)
+                              & (gain > 1e-9 * np.maximum(1.0, np.abs(np.where(np.isfinite(now), now, 0.0)))))
+        if not len(cand):
+            return x, prof, False
+        # rank the candidates (best gain first, ties to the lower edge); each node's claim is its best rank
+        order = cand[np.lexsort((cand, -gain[cand]))]
+        rank = np.full(len(u), len(u), dtype=np.int64)
+        rank[order] = np.arange(len(order))
+        claim = np.full(flat.n, len(u), dtype=np.int64)
+        np.minimum.at(claim, u[order], rank[order])
+        np.minimum.at(claim, v[order], rank[order])
+        sel = order[(claim[u[order]] == rank[order]) & (claim[v[order]] == rank[order])]
+        # no two chosen edges adjacent: the worse-ranked of two touching ones stays
+        owner = np.full(flat.n, -1, dtype=np.int64)
+        owner[u[sel]] = rank[sel]
+        owner[v[sel]] = rank[sel]
+        ou, ov = owner[flat.eu], owner[flat.ev]
+        clash = (ou >= 0) & (ov >= 0) & (ou != ov)
+        lost = np.zeros(len(order), dtype=bool)
+        lost[np.maximum(ou[clash], ov[clash])] = True
+        sel = sel[~lost[rank[sel]]]
+        hit = np.flatnonzero((allowed == least[self.pe_pair]) & np.isin(self.pe_pair, sel))
+        pairs, first = np.unique(self.pe_pair[hit], return_index=True)
+        best = hit[first]
+        nodes = np.concatenate([u[pairs], v[pairs]])
+        new = np.concatenate([self.pe_a[best], self.pe_b[best]])
+        if memory:
+            change = np.concatenate([du[best], dv[best]])
+            trial = _shifted_profile(flat, prof, nodes, change)
+            over = trial > flat.capacity + tol
+            if over.any():
+                count = np.concatenate([[0], np.cumsum(over)])
+                covers = (count[flat.seg_end[nodes]] - count[flat.seg_start[nodes]] > 0) & (change > 0)
+                bad = covers[: len(pairs)] | covers[len(pairs):]
+                if bad.all():  # alone, the best of them fits (its room says so)
+                    bad[int(np.argmax(gain[pairs]))] = False
+                keep = np.concatenate([~bad, ~bad])
+                nodes, new, change = nodes[keep], new[keep], change[keep]
+                trial = _shifted_profile(flat, prof, nodes, change)
+            prof = trial
+        if not len(nodes):
+            return x, prof, False
+        x[nodes] = new
+        return x, prof, True
+
+
+def priced_descent(moves: GroupMoves, x: np.ndarray, *, rounds: int = 60, cycles: int = 3,
+                   prices: tuple[float, ...] = PRICES) -> tuple[np.ndarray, float, int, float]:
+    """Group moves under a falling price on usage where memory binds; the best valid assignment seen.
+
+    Moves that ignore the memory limit show where it blocks them: from ``x``
+    they reach ``y``, over capacity by ``over_t`` at segment ``t``. The price
+    per byte ``mu = (cost(x) - cost(y)) / max_t over_t`` is what the blocked
+    gain is worth per byte; node ``i`` pays ``f * mu * w_i`` on its usage,
+    ``w_i`` the largest ``over_t / max over`` on its interval, for each factor
+    ``f`` of ``prices`` in turn (falling to 0), each followed by moves with
+    memory hard. A high price makes nodes on binding segments give memory
+    up; as it falls, the moves worth more than it take that memory. Every
+    assignment stays valid. Repeats (``cycles``) while a cycle gains.
+    Returns (assignment, cost, rounds, deterministic work).
+    """
+    flat = moves.flat
+    x = np.asarray(x, dtype=np.int64).copy()
+    best, best_cost = x, evaluate(flat, x)
+    charge = 0.2 * CHARGE_PER_ITEM * (flat.n + len(flat.tables))  # an evaluation: one numpy pass
+    spent, total = charge, 0
+    if not len(flat.capacity) or not np.isfinite(best_cost):
+        return best, best_cost, 0, spent
+    unlimited = replace(flat, capacity=np.zeros(0), binding=())
+    tol = tolerance(flat)
+    for _ in range(cycles):
+        start_cost = best_cost
+        y, done, used = moves.descend(best, rounds, memory=False)
+        spent += used + 2 * charge
+        total += done
+        over = np.maximum(profile(flat, y) - flat.capacity, 0.0)
+        top = float(over.max())
+        gain = best_cost - evaluate(unlimited, y)
+        if top <= tol or not gain > 0:
+            break
+        s0, s1 = flat.seg_start, flat.seg_end
+        has = s1 > s0
+        weight = np.zeros(flat.n)
+        if has.any():
+            weight[has] = -moves._range_min(-over / top, s0[has], s1[has])
+        price = (gain / top) * weight[moves.slot_node] * moves.usages
+        cur = best
+        for f in prices:
+            cur, done, used = moves.descend(cur, rounds, extra=f * price if f else None)
+            spent += used + charge
+            total += done
+            c = evaluate(flat, cur)
+            if c < best_cost:
+                best, best_cost = cur, c
+        if best_cost >= start_cost - 1e-4 * abs(start_cost):
+            break
+    return best, best_cost, total, spent
 
 
 def _shifted_profile(flat: Flat, prof: np.ndarray, nodes: np.ndarray, change: np.ndarray) -> np.ndarray:

@@ -67,10 +67,12 @@ DESCENT_SHARE = 0.6
 MOVE_ROUNDS = 200
 MOVE_SHARE = 0.05
 #: Deterministic charge (seconds) per node and per edge of the input, for checking and reducing it.
-REDUCE_CHARGE = 1e-4
+REDUCE_CHARGE = 5e-5
 #: TRW-S bound (where the LP is skipped): at most this many passes, and this share of the budget.
 TRWS_PASSES = 200
 TRWS_SHARE = 0.12
+#: ... and above ``LARGE_NODES`` nodes (where a pass costs about a second and the search gains more from the time).
+TRWS_SHARE_LARGE = 0.03
 #: Wall-clock safety net: ``WALL_SLACK * time_limit + WALL_EXTRA`` seconds, after which every stage
 #: stops at its next check (the final lift and evaluation still run).
 WALL_SLACK = 1.05
@@ -462,6 +464,11 @@ class Portfolio:
         self.budget -= used
         self.stats["move_rounds"] = self.stats.get("move_rounds", 0) + done
         self.consider(x, evaluate(self.flat, x))
+        if len(self.flat.capacity) and self.budget > 0:
+            x, cost, done, used = moves.priced_descent(self.moves, self.best_x, rounds=rounds)
+            self.budget -= used
+            self.stats["priced_rounds"] = self.stats.get("priced_rounds", 0) + done
+            self.consider(x, cost)
 
     def improve(self) -> None:
         """One-node moves, component descent (where forbidden pairs tie nodes together), then LNS.
@@ -491,6 +498,7 @@ class Portfolio:
 
 
 def trws_passes(flat: Flat, budget: float) -> int:
-    """TRW-S passes that fit ``TRWS_SHARE`` of ``budget`` (a pass costs about a sweep over nodes and edges)."""
+    """TRW-S passes that fit ``TRWS_SHARE`` (``TRWS_SHARE_LARGE``) of ``budget`` (a pass costs about a sweep over nodes and edges)."""
     per_pass = 1.5 * CHARGE_PER_ITEM * (flat.n + len(flat.tables))  # the table work: above a plain sweep
-    return int(max(2, min(TRWS_PASSES, TRWS_SHARE * budget / per_pass)))
+    share = TRWS_SHARE_LARGE if flat.n > LARGE_NODES else TRWS_SHARE
+    return int(max(2, min(TRWS_PASSES, share * budget / per_pass)))
