@@ -62,6 +62,9 @@ LARGE_NODES = 5000
 LP_CHARGE = 2e-6
 #: Share of the remaining budget for ``search.component_descent`` (sweeps) before the LNS.
 DESCENT_SHARE = 0.6
+#: The descent's share is spent in this many sweeps, each followed by group moves; the LNS in this many chunks.
+DESCENT_SWEEPS = 2
+LNS_CHUNKS = 3
 #: Vectorised one-node moves before and after the component descent: at most this many rounds, and this share
 #: of the budget left.
 MOVE_ROUNDS = 200
@@ -209,6 +212,7 @@ class Portfolio:
         self.guide: np.ndarray | None = None  # the LP relaxation rounded, where it was solved
         self.marginals: list[np.ndarray] | None = None
         self.moves: moves.GroupMoves | None = None  # built on first use
+        self.quotient_moves: moves.GroupMoves | None = None  # moves on the problem over groups (memory left out)
 
     # -- bookkeeping -------------------------------------------------------------------------------
 
@@ -469,6 +473,16 @@ class Portfolio:
             self.budget -= used
             self.stats["priced_rounds"] = self.stats.get("priced_rounds", 0) + done
             self.consider(x, cost)
+        if self.moves.groups_multi and self.budget > 0:
+            # two groups at once: pair moves on the problem over groups, memory checked on the way back
+            if self.quotient_moves is None:
+                quotient, _ = moves.quotient(self.moves, self.best_x)
+                self.quotient_moves = moves.GroupMoves(quotient)
+                self.budget -= 5 * CHARGE_PER_ITEM * (quotient.n + len(quotient.tables) + len(self.flat.tables))
+            q, done, used = self.quotient_moves.descend(self.moves.configs_of(self.best_x), rounds=rounds)
+            self.budget -= used + CHARGE_PER_ITEM * (self.flat.n + len(self.flat.tables))
+            x = self.moves.lift(q)
+            self.consider(x, evaluate(self.flat, x))
 
     def improve(self) -> None:
         """One-node moves, component descent (where forbidden pairs tie nodes together), then LNS.
@@ -476,25 +490,40 @@ class Portfolio:
         The wall-clock shares (half the time left for the TRW-S bound, ``DESCENT_SHARE`` for the descent)
         only bind on a machine too loaded to do the work in the time: then they leave the LNS its turn.
         """
-        flat, stats = self.flat, self.stats
+        flat = self.flat
         if self.decision > EXACT_NODES:
             self.group_moves()
-            x, cost, used, descent_stats = search.component_descent(
-                flat, self.best_x, budget=DESCENT_SHARE * max(0.0, self.budget), seed=self.seed,
-                wall_limit=DESCENT_SHARE * self.wall_left(),
+            for _ in range(DESCENT_SWEEPS):
+                x, cost, used, descent_stats = search.component_descent(
+                    flat, self.best_x, budget=DESCENT_SHARE / DESCENT_SWEEPS * max(0.0, self.budget), seed=self.seed,
+                    max_sweeps=1, wall_limit=DESCENT_SHARE / DESCENT_SWEEPS * self.wall_left(),
+                )
+                self.budget -= used
+                self.add_stats(descent_stats)
+                self.consider(x, cost)
+                self.report("component descent", self.best_cost + self.offset, self.bound + self.offset)
+                self.group_moves()
+        for chunk in range(LNS_CHUNKS):
+            if self.budget <= 0 or self.wall_left() <= 0:
+                break
+            last = chunk == LNS_CHUNKS - 1 or not self.decision > EXACT_NODES
+            x, cost, lns_stats = search.lns(
+                flat, self.best_x, budget=max(0.0, self.budget if last else self.budget / (LNS_CHUNKS - chunk)),
+                seed=self.seed + 1000 * chunk, progress=self.shifted, lower_bound=self.bound,
+                wall_limit=self.wall_left(), guide=self.guide,
             )
-            self.budget -= used
-            stats.update(descent_stats)
+            self.add_stats(lns_stats)
+            self.budget -= lns_stats.get("lns_deterministic_s", 0.0)
             self.consider(x, cost)
-            self.report("component descent", self.best_cost + self.offset, self.bound + self.offset)
+            if last:
+                break
             self.group_moves()
-        x, cost, lns_stats = search.lns(
-            flat, self.best_x, budget=max(0.0, self.budget), seed=self.seed, progress=self.shifted,
-            lower_bound=self.bound, wall_limit=self.wall_left(), guide=self.guide,
-        )
-        stats.update(lns_stats)
-        self.budget -= lns_stats.get("lns_deterministic_s", 0.0)
-        self.consider(x, cost)
+
+    def add_stats(self, more: dict) -> None:
+        """``more`` into ``stats``: counts and work add up over repeated calls, the rest is replaced."""
+        for key, value in more.items():
+            summed = key.endswith(("_steps", "_improvements", "_sweeps", "_deterministic_s"))
+            self.stats[key] = self.stats.get(key, 0) + value if summed else value
 
 
 def trws_passes(flat: Flat, budget: float) -> int:
