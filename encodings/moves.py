@@ -204,7 +204,7 @@ class GroupMoves:
         self.pair_edges = pair
         psu, psv = su[pair], sv[pair]
         count = psu * psv
-        self.pair_start = np.concatenate([[0], np.cumsum(count)[:-1]]).astype(np.int64)
+        self.pair_start = np.concatenate([[0], np.cumsum(count)])[:-1].astype(np.int64)
         p_of = np.repeat(np.arange(len(pair)), count)
         local = np.arange(int(count.sum())) - np.repeat(self.pair_start, count)
         self.pe_pair = p_of

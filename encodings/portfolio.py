@@ -17,8 +17,10 @@
                        hinted, for a share of the budget (may prove optimality)
     certify            no LP: TRW-S message passing, memory relaxed, for a share of the budget
                        (and min-sum diffusion, the larger)
-    improve            > 400 decisions: vectorised one-node moves, sweeps of component descent, moves
-                       again; then large-neighbourhood search
+    improve            vectorised group moves (``moves``: every node or small component of forbidden-bearing
+                       edges at once, two-node moves, a falling price on usage where memory binds); above
+                       400 decisions two sweeps of component descent; then large-neighbourhood search in
+                       three chunks; group moves again after each
     --lift--> assignment of the original problem, cost from ``Problem.evaluate``
 
 Each phase is one method of :class:`Portfolio`, which holds the incumbent,
@@ -485,14 +487,16 @@ class Portfolio:
             self.consider(x, evaluate(self.flat, x))
 
     def improve(self) -> None:
-        """One-node moves, component descent (where forbidden pairs tie nodes together), then LNS.
+        """Group moves, component descent sweeps (above ``EXACT_NODES``), LNS chunks; group moves after each.
 
+        Group moves (``group_moves``: nodes and small components at once, pairs, the priced descent where
+        memory binds) are fast and vectorised; the CP-SAT searches between them find what they cannot.
         The wall-clock shares (half the time left for the TRW-S bound, ``DESCENT_SHARE`` for the descent)
         only bind on a machine too loaded to do the work in the time: then they leave the LNS its turn.
         """
         flat = self.flat
+        self.group_moves()
         if self.decision > EXACT_NODES:
-            self.group_moves()
             for _ in range(DESCENT_SWEEPS):
                 x, cost, used, descent_stats = search.component_descent(
                     flat, self.best_x, budget=DESCENT_SHARE / DESCENT_SWEEPS * max(0.0, self.budget), seed=self.seed,
@@ -506,7 +510,7 @@ class Portfolio:
         for chunk in range(LNS_CHUNKS):
             if self.budget <= 0 or self.wall_left() <= 0:
                 break
-            last = chunk == LNS_CHUNKS - 1 or not self.decision > EXACT_NODES
+            last = chunk == LNS_CHUNKS - 1
             x, cost, lns_stats = search.lns(
                 flat, self.best_x, budget=max(0.0, self.budget if last else self.budget / (LNS_CHUNKS - chunk)),
                 seed=self.seed + 1000 * chunk, progress=self.shifted, lower_bound=self.bound,

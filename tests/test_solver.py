@@ -461,10 +461,31 @@ def test_lagrangian_bound_is_valid_for_any_prices(problem):
         assert bounds.lagrangian_bound(flat, mu, passes=30) <= opt + 1e-9 * max(1.0, abs(opt))
 
 
+def _grouped_problem(groups: int, seed: int) -> Problem:
+    """Chains of three nodes tied by functional edges (strategy ``s`` of one allows only ``s`` of the next),
+    random finite edges between the chains, and memory at 1.2 times least usage's peak."""
+    rng = np.random.default_rng(seed)
+    nodes, edges = [], []
+    for g in range(groups):
+        for k in range(3):
+            i = 3 * g + k
+            start = int(rng.integers(0, 3 * groups))
+            nodes.append(Node(f"n{i}", rng.integers(0, 50, size=3).astype(float), rng.integers(1, 6, size=3).astype(float),
+                              (start, start + int(rng.integers(1, 8)))))
+            if k:
+                edges.append(Edge(i - 1, i, np.where(np.eye(3, dtype=bool), rng.integers(0, 9, size=(3, 3)), FORBIDDEN)))
+        for _ in range(2 if g else 0):
+            j = int(rng.integers(0, 3 * g))
+            edges.append(Edge(j, 3 * g + int(rng.integers(0, 3)), rng.integers(0, 40, size=(3, 3)).astype(float)))
+    problem = Problem(tuple(nodes), tuple(edges), None, (), "grouped")
+    least = tuple(int(np.argmin(n.usages)) for n in nodes)
+    return Problem(tuple(nodes), tuple(edges), 1.2 * float(problem.peak_usage(least)), (), "grouped")
+
+
 def test_group_moves_keep_validity_and_never_worsen():
     """Group moves (components of forbidden-bearing edges as one unit, two-node moves, memory hard) and the
     priced descent from a valid start: valid, never costlier, deterministic, and no group gains on its own."""
-    problem, _ = _planted_problem(150, seed=3)
+    problem = _grouped_problem(40, seed=3)
     flat = flatten(problem)
     soft, _ = softened(flat)
     start, _, _ = search.repair_forbidden(flat, heuristics.icm(soft, heuristics.least_usage(flat), sweeps=3), budget=5.0)
@@ -478,6 +499,9 @@ def test_group_moves_keep_validity_and_never_worsen():
     again, _, _ = group_moves.descend(x, rounds=500)
     assert evaluate(flat, again) >= cost - 1e-9 * abs(cost)  # a local optimum: nothing left to gain
     assert np.array_equal(group_moves.descend(start, rounds=500)[0], x)  # deterministic
+    quotient, q = moves.quotient(group_moves, x)  # one node per group: same cost, and lifted back exactly
+    assert quotient.n == group_moves.ngroups and evaluate(quotient, q) == pytest.approx(cost, rel=1e-12)
+    assert np.array_equal(group_moves.lift(q), x)
     y, priced, _, _ = moves.priced_descent(group_moves, x)
     assert priced == evaluate(flat, y) == problem.evaluate(tuple(int(s) for s in y)) and priced <= cost
     assert np.array_equal(moves.priced_descent(group_moves, x)[0], y)
