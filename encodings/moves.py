@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import numpy as np
 
+import time
 from dataclasses import replace
 
 from shardsolve.encodings.flat import CHARGE_PER_ITEM, INF, Flat, evaluate, profile, tolerance
@@ -275,19 +276,21 @@ class GroupMoves:
         return out
 
     def descend(self, x: np.ndarray, rounds: int = 50, *, extra: np.ndarray | None = None,
-                memory: bool = True) -> tuple[np.ndarray, int, float]:
+                memory: bool = True, wall_limit: float | None = None) -> tuple[np.ndarray, int, float]:
         """Rounds of moves from a valid ``x``; returns (new assignment, rounds run, deterministic work).
 
         ``extra``: a cost added to every strategy (flat over nodes, as ``costs``), e.g. a price on
-        usage; ``memory=False`` ignores the memory limit (the result may break it).
+        usage; ``memory=False`` ignores the memory limit (the result may break it); ``wall_limit``:
+        a wall-clock safety net, seconds from now.
         """
         self.extra = extra
         try:
-            return self._descend(x, rounds, memory)
+            return self._descend(x, rounds, memory, None if wall_limit is None else time.perf_counter() + wall_limit)
         finally:
             self.extra = None
 
-    def _descend(self, x: np.ndarray, rounds: int, memory: bool) -> tuple[np.ndarray, int, float]:
+    def _descend(self, x: np.ndarray, rounds: int, memory: bool,
+                 deadline: float | None) -> tuple[np.ndarray, int, float]:
         flat = self.flat
         x = np.asarray(x, dtype=np.int64).copy()
         tol = tolerance(flat)
@@ -296,6 +299,8 @@ class GroupMoves:
         spent, done = 0.0, 0
         ncfg = len(self.cfg_group)
         for done in range(1, rounds + 1):
+            if deadline is not None and time.perf_counter() > deadline:
+                break
             spent += self.round_charge
             ext = self.external_costs(x)
             cost = np.bincount(self.ent_cfg, ext[self.ent_slot], minlength=ncfg) + self.cfg_internal
@@ -484,7 +489,8 @@ def quotient(moves: GroupMoves, x: np.ndarray) -> tuple[Flat, np.ndarray]:
 
 
 def priced_descent(moves: GroupMoves, x: np.ndarray, *, rounds: int = 60, cycles: int = 3,
-                   prices: tuple[float, ...] = PRICES) -> tuple[np.ndarray, float, int, float]:
+                   prices: tuple[float, ...] = PRICES,
+                   wall_limit: float | None = None) -> tuple[np.ndarray, float, int, float]:
     """Group moves under a falling price on usage where memory binds; the best valid assignment seen.
 
     Moves that ignore the memory limit show where it blocks them: from ``x``
@@ -496,12 +502,18 @@ def priced_descent(moves: GroupMoves, x: np.ndarray, *, rounds: int = 60, cycles
     memory hard. A high price makes nodes on binding segments give memory
     up; as it falls, the moves worth more than it take that memory. Every
     assignment stays valid. Repeats (``cycles``) while a cycle gains.
-    Returns (assignment, cost, rounds, deterministic work).
+    ``wall_limit``: a wall-clock safety net, seconds from now. Returns (assignment, cost, rounds,
+    deterministic work).
     """
+    deadline = None if wall_limit is None else time.perf_counter() + wall_limit
+
+    def left() -> float | None:
+        return None if deadline is None else deadline - time.perf_counter()
+
     flat = moves.flat
     x = np.asarray(x, dtype=np.int64).copy()
     best, best_cost = x, evaluate(flat, x)
-    charge = 0.03 * CHARGE_PER_ITEM * (flat.n + len(flat.tables))  # an evaluation (35 ms on IOPDDL S)
+    charge = 0.05 * CHARGE_PER_ITEM * (flat.n + len(flat.tables))  # an evaluation (35 ms on IOPDDL S)
     spent, total = charge, 0
     if not len(flat.capacity) or not np.isfinite(best_cost):
         return best, best_cost, 0, spent
@@ -509,7 +521,9 @@ def priced_descent(moves: GroupMoves, x: np.ndarray, *, rounds: int = 60, cycles
     tol = tolerance(flat)
     for _ in range(cycles):
         start_cost = best_cost
-        y, done, used = moves.descend(best, rounds, memory=False)
+        if deadline is not None and left() <= 0:
+            break
+        y, done, used = moves.descend(best, rounds, memory=False, wall_limit=left())
         spent += used + 2 * charge
         total += done
         over = np.maximum(profile(flat, y) - flat.capacity, 0.0)
@@ -525,7 +539,7 @@ def priced_descent(moves: GroupMoves, x: np.ndarray, *, rounds: int = 60, cycles
         price = (gain / top) * weight[moves.slot_node] * moves.usages
         cur = best
         for f in prices:
-            cur, done, used = moves.descend(cur, rounds, extra=f * price if f else None)
+            cur, done, used = moves.descend(cur, rounds, extra=f * price if f else None, wall_limit=left())
             spent += used + charge
             total += done
             c = evaluate(flat, cur)

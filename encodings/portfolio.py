@@ -459,19 +459,29 @@ class Portfolio:
             self.budget -= 100 * CHARGE_PER_ITEM * (flat.n + len(flat.tables))
 
     def group_moves(self) -> None:
-        """Rounds of vectorised group moves (``moves.GroupMoves``: nodes and small components) from the incumbent."""
-        if not moves.GroupMoves.fits(self.flat) or self.budget <= 0:
+        """Rounds of vectorised group moves (``moves.GroupMoves``: nodes and small components) from the incumbent.
+
+        Its wall seconds and work add up in ``stats["moves_s"]`` and ``stats["moves_work_s"]``.
+        """
+        if not moves.GroupMoves.fits(self.flat) or self.budget <= 0 or self.wall_left() <= 0:
             return
+        wall, work = time.perf_counter(), self.budget
+        self._group_moves()
+        self.stats["moves_s"] = round(self.stats.get("moves_s", 0.0) + time.perf_counter() - wall, 3)
+        self.stats["moves_work_s"] = round(self.stats.get("moves_work_s", 0.0) + work - self.budget, 3)
+
+    def _group_moves(self) -> None:
         if self.moves is None:
             self.moves = moves.GroupMoves(self.flat, search.forbidden_components(self.flat))
             self.budget -= 5 * CHARGE_PER_ITEM * (self.flat.n + len(self.flat.tables))
         rounds = int(min(MOVE_ROUNDS, max(1.0, MOVE_SHARE * self.budget / self.moves.round_charge)))
-        x, done, used = self.moves.descend(self.best_x, rounds=rounds)
+        x, done, used = self.moves.descend(self.best_x, rounds=rounds, wall_limit=self.wall_left())
         self.budget -= used
         self.stats["move_rounds"] = self.stats.get("move_rounds", 0) + done
         self.consider(x, evaluate(self.flat, x))
         if len(self.flat.capacity) and self.budget > 0:
-            x, cost, done, used = moves.priced_descent(self.moves, self.best_x, rounds=rounds)
+            x, cost, done, used = moves.priced_descent(self.moves, self.best_x, rounds=rounds,
+                                                       wall_limit=self.wall_left())
             self.budget -= used
             self.stats["priced_rounds"] = self.stats.get("priced_rounds", 0) + done
             self.consider(x, cost)
@@ -481,7 +491,8 @@ class Portfolio:
                 quotient, _ = moves.quotient(self.moves, self.best_x)
                 self.quotient_moves = moves.GroupMoves(quotient)
                 self.budget -= 5 * CHARGE_PER_ITEM * (quotient.n + len(quotient.tables) + len(self.flat.tables))
-            q, done, used = self.quotient_moves.descend(self.moves.configs_of(self.best_x), rounds=rounds)
+            q, done, used = self.quotient_moves.descend(self.moves.configs_of(self.best_x), rounds=rounds,
+                                                        wall_limit=self.wall_left())
             self.budget -= used + CHARGE_PER_ITEM * (self.flat.n + len(self.flat.tables))
             x = self.moves.lift(q)
             self.consider(x, evaluate(self.flat, x))
@@ -498,11 +509,13 @@ class Portfolio:
         self.group_moves()
         if self.decision > EXACT_NODES:
             for _ in range(DESCENT_SWEEPS):
+                wall = time.perf_counter()
                 x, cost, used, descent_stats = search.component_descent(
                     flat, self.best_x, budget=DESCENT_SHARE / DESCENT_SWEEPS * max(0.0, self.budget), seed=self.seed,
                     max_sweeps=1, wall_limit=DESCENT_SHARE / DESCENT_SWEEPS * self.wall_left(),
                 )
                 self.budget -= used
+                descent_stats["descent_s"] = round(time.perf_counter() - wall, 3)
                 self.add_stats(descent_stats)
                 self.consider(x, cost)
                 self.report("component descent", self.best_cost + self.offset, self.bound + self.offset)
@@ -511,11 +524,13 @@ class Portfolio:
             if self.budget <= 0 or self.wall_left() <= 0:
                 break
             last = chunk == LNS_CHUNKS - 1
+            wall = time.perf_counter()
             x, cost, lns_stats = search.lns(
                 flat, self.best_x, budget=max(0.0, self.budget if last else self.budget / (LNS_CHUNKS - chunk)),
                 seed=self.seed + 1000 * chunk, progress=self.shifted, lower_bound=self.bound,
                 wall_limit=self.wall_left(), guide=self.guide,
             )
+            lns_stats["lns_s"] = round(time.perf_counter() - wall, 3)
             self.add_stats(lns_stats)
             self.budget -= lns_stats.get("lns_deterministic_s", 0.0)
             self.consider(x, cost)
@@ -526,7 +541,7 @@ class Portfolio:
     def add_stats(self, more: dict) -> None:
         """``more`` into ``stats``: counts and work add up over repeated calls, the rest is replaced."""
         for key, value in more.items():
-            summed = key.endswith(("_steps", "_improvements", "_sweeps", "_deterministic_s"))
+            summed = key.endswith(("_steps", "_improvements", "_sweeps", "_deterministic_s", "_s"))
             self.stats[key] = self.stats.get(key, 0) + value if summed else value
 
 
