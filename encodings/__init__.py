@@ -12,6 +12,8 @@ together, from z3 unsat cores. The modules, in the order a problem meets them:
 ``flat``        the array form every solver reads (``Flat``, ``evaluate``),
                 and the sub-problems, pruned and softened forms derived from it
 ``heuristics``  fast warm starts: least usage, Lagrangian forest DP, repair, ICM
+``moves``       vectorised group moves: every node or small component at once,
+                two-node moves, a falling price on usage where memory binds
 ``cpsat``       the CP-SAT encoding and its solve (whole models, neighbourhoods)
 ``search``      neighbourhoods, repair of forbidden pairs, component descent,
                 large-neighbourhood search, TRW-S warm starts

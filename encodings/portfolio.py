@@ -17,8 +17,10 @@
                        hinted, for a share of the budget (may prove optimality)
     certify            no LP: TRW-S message passing, memory relaxed, for a share of the budget
                        (and min-sum diffusion, the larger)
-    improve            > 400 decisions: vectorised one-node moves, sweeps of component descent, moves
-                       again; then large-neighbourhood search
+    improve            vectorised group moves (``moves``: every node or small component of forbidden-bearing
+                       edges at once, two-node moves, a falling price on usage where memory binds); above
+                       400 decisions two sweeps of component descent; then large-neighbourhood search in
+                       three chunks; group moves again after each
     --lift--> assignment of the original problem, cost from ``Problem.evaluate``
 
 Each phase is one method of :class:`Portfolio`, which holds the incumbent,
@@ -38,7 +40,7 @@ from typing import Callable
 
 import numpy as np
 
-from shardsolve.encodings import bounds, cpsat, heuristics, search
+from shardsolve.encodings import bounds, cpsat, heuristics, moves, search
 from shardsolve.encodings.flat import CHARGE_PER_ITEM, Flat, evaluate, flatten, softened, subproblem
 from shardsolve.encodings.presolve import Reduced, reduce
 from shardsolve.errors import InfeasibleError, Interrupted, ShardsolveError
@@ -62,15 +64,20 @@ LARGE_NODES = 5000
 LP_CHARGE = 2e-6
 #: Share of the remaining budget for ``search.component_descent`` (sweeps) before the LNS.
 DESCENT_SHARE = 0.6
+#: The descent's share is spent in this many sweeps, each followed by group moves; the LNS in this many chunks.
+DESCENT_SWEEPS = 2
+LNS_CHUNKS = 3
 #: Vectorised one-node moves before and after the component descent: at most this many rounds, and this share
 #: of the budget left.
 MOVE_ROUNDS = 200
 MOVE_SHARE = 0.05
 #: Deterministic charge (seconds) per node and per edge of the input, for checking and reducing it.
-REDUCE_CHARGE = 1e-4
+REDUCE_CHARGE = 5e-5
 #: TRW-S bound (where the LP is skipped): at most this many passes, and this share of the budget.
 TRWS_PASSES = 200
 TRWS_SHARE = 0.12
+#: ... and above ``LARGE_NODES`` nodes (where a pass costs about a second and the search gains more from the time).
+TRWS_SHARE_LARGE = 0.03
 #: Wall-clock safety net: ``WALL_SLACK * time_limit + WALL_EXTRA`` seconds, after which every stage
 #: stops at its next check (the final lift and evaluation still run).
 WALL_SLACK = 1.05
@@ -206,6 +213,8 @@ class Portfolio:
         self.best_cost = math.inf
         self.guide: np.ndarray | None = None  # the LP relaxation rounded, where it was solved
         self.marginals: list[np.ndarray] | None = None
+        self.moves: moves.GroupMoves | None = None  # built on first use
+        self.quotient_moves: moves.GroupMoves | None = None  # moves on the problem over groups (memory left out)
 
     # -- bookkeeping -------------------------------------------------------------------------------
 
@@ -449,45 +458,95 @@ class Portfolio:
             self.bound = max(self.bound, bounds.dual_bound(flat, iterations=50))
             self.budget -= 100 * CHARGE_PER_ITEM * (flat.n + len(flat.tables))
 
-    def one_node_moves(self) -> None:
-        """Rounds of vectorised one-node moves (``heuristics.OneNodeMoves``) from the incumbent."""
-        if not heuristics.OneNodeMoves.fits(self.flat) or self.budget <= 0:
+    def group_moves(self) -> None:
+        """Rounds of vectorised group moves (``moves.GroupMoves``: nodes and small components) from the incumbent.
+
+        Its wall seconds and work add up in ``stats["moves_s"]`` and ``stats["moves_work_s"]``.
+        """
+        if not moves.GroupMoves.fits(self.flat) or self.budget <= 0 or self.wall_left() <= 0:
             return
-        moves = heuristics.OneNodeMoves(self.flat)
-        rounds = int(min(MOVE_ROUNDS, max(1.0, MOVE_SHARE * self.budget / moves.round_charge)))
-        x, done, used = moves.descend(self.best_x, rounds=rounds)
+        wall, work = time.perf_counter(), self.budget
+        self._group_moves()
+        self.stats["moves_s"] = round(self.stats.get("moves_s", 0.0) + time.perf_counter() - wall, 3)
+        self.stats["moves_work_s"] = round(self.stats.get("moves_work_s", 0.0) + work - self.budget, 3)
+
+    def _group_moves(self) -> None:
+        if self.moves is None:
+            self.moves = moves.GroupMoves(self.flat, search.forbidden_components(self.flat))
+            self.budget -= 5 * CHARGE_PER_ITEM * (self.flat.n + len(self.flat.tables))
+        rounds = int(min(MOVE_ROUNDS, max(1.0, MOVE_SHARE * self.budget / self.moves.round_charge)))
+        x, done, used = self.moves.descend(self.best_x, rounds=rounds, wall_limit=self.wall_left())
         self.budget -= used
         self.stats["move_rounds"] = self.stats.get("move_rounds", 0) + done
         self.consider(x, evaluate(self.flat, x))
+        if len(self.flat.capacity) and self.budget > 0:
+            x, cost, done, used = moves.priced_descent(self.moves, self.best_x, rounds=rounds,
+                                                       wall_limit=self.wall_left())
+            self.budget -= used
+            self.stats["priced_rounds"] = self.stats.get("priced_rounds", 0) + done
+            self.consider(x, cost)
+        if self.moves.groups_multi and self.budget > 0:
+            # two groups at once: pair moves on the problem over groups, memory checked on the way back
+            if self.quotient_moves is None:
+                quotient, _ = moves.quotient(self.moves, self.best_x)
+                self.quotient_moves = moves.GroupMoves(quotient)
+                self.budget -= 5 * CHARGE_PER_ITEM * (quotient.n + len(quotient.tables) + len(self.flat.tables))
+            q, done, used = self.quotient_moves.descend(self.moves.configs_of(self.best_x), rounds=rounds,
+                                                        wall_limit=self.wall_left())
+            self.budget -= used + CHARGE_PER_ITEM * (self.flat.n + len(self.flat.tables))
+            x = self.moves.lift(q)
+            self.consider(x, evaluate(self.flat, x))
 
     def improve(self) -> None:
-        """One-node moves, component descent (where forbidden pairs tie nodes together), then LNS.
+        """Group moves, component descent sweeps (above ``EXACT_NODES``), LNS chunks; group moves after each.
 
+        Group moves (``group_moves``: nodes and small components at once, pairs, the priced descent where
+        memory binds) are fast and vectorised; the CP-SAT searches between them find what they cannot.
         The wall-clock shares (half the time left for the TRW-S bound, ``DESCENT_SHARE`` for the descent)
         only bind on a machine too loaded to do the work in the time: then they leave the LNS its turn.
         """
-        flat, stats = self.flat, self.stats
+        flat = self.flat
+        self.group_moves()
         if self.decision > EXACT_NODES:
-            self.one_node_moves()
-            x, cost, used, descent_stats = search.component_descent(
-                flat, self.best_x, budget=DESCENT_SHARE * max(0.0, self.budget), seed=self.seed,
-                wall_limit=DESCENT_SHARE * self.wall_left(),
+            for _ in range(DESCENT_SWEEPS):
+                wall = time.perf_counter()
+                x, cost, used, descent_stats = search.component_descent(
+                    flat, self.best_x, budget=DESCENT_SHARE / DESCENT_SWEEPS * max(0.0, self.budget), seed=self.seed,
+                    max_sweeps=1, wall_limit=DESCENT_SHARE / DESCENT_SWEEPS * self.wall_left(),
+                )
+                self.budget -= used
+                descent_stats["descent_s"] = round(time.perf_counter() - wall, 3)
+                self.add_stats(descent_stats)
+                self.consider(x, cost)
+                self.report("component descent", self.best_cost + self.offset, self.bound + self.offset)
+                self.group_moves()
+        for chunk in range(LNS_CHUNKS):
+            if self.budget <= 0 or self.wall_left() <= 0:
+                break
+            last = chunk == LNS_CHUNKS - 1
+            wall = time.perf_counter()
+            x, cost, lns_stats = search.lns(
+                flat, self.best_x, budget=max(0.0, self.budget if last else self.budget / (LNS_CHUNKS - chunk)),
+                seed=self.seed + 1000 * chunk, progress=self.shifted, lower_bound=self.bound,
+                wall_limit=self.wall_left(), guide=self.guide,
             )
-            self.budget -= used
-            stats.update(descent_stats)
+            lns_stats["lns_s"] = round(time.perf_counter() - wall, 3)
+            self.add_stats(lns_stats)
+            self.budget -= lns_stats.get("lns_deterministic_s", 0.0)
             self.consider(x, cost)
-            self.report("component descent", self.best_cost + self.offset, self.bound + self.offset)
-            self.one_node_moves()
-        x, cost, lns_stats = search.lns(
-            flat, self.best_x, budget=max(0.0, self.budget), seed=self.seed, progress=self.shifted,
-            lower_bound=self.bound, wall_limit=self.wall_left(), guide=self.guide,
-        )
-        stats.update(lns_stats)
-        self.budget -= lns_stats.get("lns_deterministic_s", 0.0)
-        self.consider(x, cost)
+            if last:
+                break
+            self.group_moves()
+
+    def add_stats(self, more: dict) -> None:
+        """``more`` into ``stats``: counts and work add up over repeated calls, the rest is replaced."""
+        for key, value in more.items():
+            summed = key.endswith(("_steps", "_improvements", "_sweeps", "_deterministic_s", "_s"))
+            self.stats[key] = self.stats.get(key, 0) + value if summed else value
 
 
 def trws_passes(flat: Flat, budget: float) -> int:
-    """TRW-S passes that fit ``TRWS_SHARE`` of ``budget`` (a pass costs about a sweep over nodes and edges)."""
+    """TRW-S passes that fit ``TRWS_SHARE`` (``TRWS_SHARE_LARGE``) of ``budget`` (a pass costs about a sweep over nodes and edges)."""
     per_pass = 1.5 * CHARGE_PER_ITEM * (flat.n + len(flat.tables))  # the table work: above a plain sweep
-    return int(max(2, min(TRWS_PASSES, TRWS_SHARE * budget / per_pass)))
+    share = TRWS_SHARE_LARGE if flat.n > LARGE_NODES else TRWS_SHARE
+    return int(max(2, min(TRWS_PASSES, share * budget / per_pass)))

@@ -80,6 +80,12 @@ MIN_RUN = 4
 MAX_PERIODS = 8
 #: TRW-S passes on the tied problem before the full solver takes over.
 TIED_PASSES = 60
+#: With a time limit: the tied solve gets this share of it, the untied bound the rest (at most
+#: ``BOUND_SECONDS``), each at least ``MIN_SECONDS``, so that ``solve_tied`` ends within about the
+#: limit (the solver's wall-clock net adds 5% and a second per stage).
+TIED_SHARE = 0.7
+BOUND_SECONDS = 10.0
+MIN_SECONDS = 0.5
 #: Classes smaller than this are not worth an edge.
 MIN_CLASS = 2
 
@@ -443,14 +449,18 @@ def solve_tied(
     tied = tie(reduced, classes)
     if tied.tied_nodes == 0:
         return None
+    def share(part: float) -> float | None:
+        """``part`` of ``time_limit`` (a fixed split keeps the run deterministic); None without a limit."""
+        return None if time_limit is None else max(MIN_SECONDS, part * float(time_limit))
+
     if problem.usage_limit is None:  # fold the ties directly (the solver's reductions would, more slowly)
         merged, lift_merged = merge(reduced.problem, tied.pairs)
-        inner = _solve_tied_problem(merged, time_limit, seed, progress)
+        inner = _solve_tied_problem(merged, share(TIED_SHARE), seed, progress)
         if inner is None:
             return None
         assignment = reduced.lift(lift_merged(inner.assignment))
     else:  # memory differs between layers: keep the tie edges, the solver folds what memory allows
-        inner = _solve_tied_problem(tied.problem, time_limit, seed, progress)
+        inner = _solve_tied_problem(tied.problem, share(TIED_SHARE), seed, progress)
         if inner is None:
             return None
         assignment = reduced.lift(inner.assignment)
@@ -460,7 +470,7 @@ def solve_tied(
     tied_cost = cost
     bound_started = time.perf_counter()
     bound, how, better = untied_bound(reduced, cost, seed=seed,
-                                      time_limit=10.0 if time_limit is None else min(10.0, float(time_limit)))
+                                      time_limit=BOUND_SECONDS if time_limit is None else min(BOUND_SECONDS, share(1.0 - TIED_SHARE)))
     improved = False
     if better is not None:  # the pruned untied search beat the tied plan: tying was a restriction
         candidate = reduced.lift(better)

@@ -411,15 +411,17 @@ def _found(solution) -> bool:
 def _search(built: Built, time_limit: float | None, seed: int, tie: bool, say: Callable[[str], None] | None):
     """The solver's ``Solution``: tied where the program repeats itself (``tie``), else searched untied."""
     solver_progress = _solver_progress(say) if say else None
-    solution = None
+    solution, started = None, time.perf_counter()
     if tie:
         solution = solve_tied(built.problem, time_limit=time_limit, seed=seed, progress=solver_progress)
         if solution is not None and say:
             st = solution.stats
             say(f"tied {st['tied_nodes']} nodes in {st['tie_classes']} classes of repeated layers: "
                 f"{st['tying']} ({st['tie_bound']} bound of the untied problem)")
-    if solution is None:
-        solution = encodings.solve(built.problem, time_limit=time_limit, seed=seed, progress=solver_progress)
+    if solution is None:  # untied, in the time tying left (all of it when tying returned at once: deterministic)
+        spent = time.perf_counter() - started
+        left = time_limit if time_limit is None or spent < 0.25 * time_limit else max(0.5, time_limit - spent)
+        solution = encodings.solve(built.problem, time_limit=left, seed=seed, progress=solver_progress)
     return solution
 
 
