@@ -393,8 +393,11 @@ class _Rewriter:
                     results = self._scan(scope, graph, lo, operands, hoisted)
                 shardings = lo.plan.results
             else:
+                first = op.inputs[0] if op.inputs else None
+                in_place = isinstance(first, Lit) or first is None or len(graph.consumers.get(first, ())) <= 1
                 with jax.named_scope(where):
-                    results = run_local(lo.view, lo.rule, lo.strategy, mesh, operands, jax.lax.axis_index)
+                    results = run_local(lo.view, lo.rule, lo.strategy, mesh, operands, jax.lax.axis_index,
+                                        in_place=in_place)
                 shardings = lo.strategy.results
             for vid, local, s in zip(op.outputs, results, shardings):
                 self._define(table, graph, vid, local, s)
