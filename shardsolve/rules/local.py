@@ -15,6 +15,9 @@ The others:
 
 - ``iota`` adds the shard's offset along a split ``dimension``;
 - ``slice``/``dynamic_slice`` take the whole local extent of passed-through dims;
+- ``dynamic_update_slice`` writes in place unless another operation reads
+  its operand's buffer (``in_place=False``): then it selects the update,
+  placed in a fresh buffer, over the operand;
 - ``gather`` with a split indexed dimension looks up only the indices in the
   shard's range (shifted by the shard's offset) and writes zeros elsewhere;
   ``FILL_OR_DROP`` fill values are written by one device of the partial group;
