@@ -6,7 +6,6 @@ import importlib.util
 import sys
 from pathlib import Path
 
-import pytest
 from jax.sharding import PartitionSpec as P
 
 _PATH = Path(__file__).resolve().parents[1] / "experiments" / "fuzz_plan.py"
