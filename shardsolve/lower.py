@@ -90,6 +90,27 @@ from shardsolve.sharding import Sharding
 AxisIndex = Callable[[str], Any]
 
 
+# Primitives XLA may turn into a bitcast of their operand's buffer (a view, no copy).
+VIEWS = frozenset({"reshape", "squeeze", "expand_dims", "transpose", "sharding_constraint", "device_put"})
+
+
+def _read_elsewhere(graph: Graph, vid: int | Lit) -> bool:
+    """Whether another operation reads the buffer of ``vid``: ``vid`` itself, or a view it was made from.
+
+    A ``dynamic_update_slice`` of such a buffer is not written in place
+    (``rules.local``): XLA's in-place fusion miscompiles it when a dynamic
+    slice of the same buffer feeds the update.
+    """
+    while not isinstance(vid, Lit):
+        if len(graph.consumers.get(vid, ())) > 1 or vid in graph.output_ids:
+            return True
+        value = graph.values[vid]
+        if value.kind != "result" or graph.ops[value.producer].primitive not in VIEWS:
+            return False
+        vid = graph.ops[value.producer].inputs[0]
+    return False
+
+
 # -- partitioned values ------------------------------------------------------------------
 
 
@@ -393,8 +414,10 @@ class _Rewriter:
                     results = self._scan(scope, graph, lo, operands, hoisted)
                 shardings = lo.plan.results
             else:
+                in_place = op.primitive != "dynamic_update_slice" or not _read_elsewhere(graph, op.inputs[0])
                 with jax.named_scope(where):
-                    results = run_local(lo.view, lo.rule, lo.strategy, mesh, operands, jax.lax.axis_index)
+                    results = run_local(lo.view, lo.rule, lo.strategy, mesh, operands, jax.lax.axis_index,
+                                        in_place=in_place)
                 shardings = lo.strategy.results
             for vid, local, s in zip(op.outputs, results, shardings):
                 self._define(table, graph, vid, local, s)

@@ -187,11 +187,28 @@ def merge_duplicates(closed: Any) -> Any:
 
 
 def drop_dead_code(closed: Any) -> Any:
-    """Remove equations whose results nothing reads (and that have no effects).
+    """Remove equations whose results nothing reads (and that have no effects), inside control flow too.
 
     XLA removes them from every compiled program, so a plan that priced them
-    would predict collectives that never run.
+    would predict collectives that never run. JAX's own dead-code pass
+    (``dce_jaxpr_consts``) also drops a ``scan``'s unread ``ys`` and carries
+    with the body work that makes only them (``lax.scan(body, h, ws)[0]`` of a
+    body that also returns ``jnp.sum(c, axis=0)``), and unread ``cond``
+    results; every input is kept, unread constants are dropped. Where that
+    private pass is missing, top-level equations are still dropped.
     """
+    try:
+        from jax._src.interpreters.partial_eval import dce_jaxpr_consts
+    except ImportError:  # private API moved: drop top-level equations only
+        return _drop_dead_equations(closed)
+    jaxpr = closed.jaxpr
+    kept, used_consts, _ = dce_jaxpr_consts(jaxpr, [True] * len(jaxpr.outvars), instantiate=True)
+    if kept is jaxpr:
+        return closed
+    return jcore.ClosedJaxpr(kept, [c for c, used in zip(closed.consts, used_consts, strict=True) if used])
+
+
+def _drop_dead_equations(closed: Any) -> Any:
     jaxpr = closed.jaxpr
     live = {v for v in jaxpr.outvars if not isinstance(v, jcore.Literal)}
     kept = []

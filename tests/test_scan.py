@@ -162,3 +162,22 @@ def test_loop_invariant_reads_are_priced_once_per_scan():
     np.testing.assert_array_equal(long[carry_read] < FORBIDDEN, allowed)
     np.testing.assert_allclose(long[carry_read][allowed], 4 * short[carry_read][allowed])
     np.testing.assert_allclose(long[const_read], short[const_read])
+
+
+def test_unread_scan_outputs_are_not_planned():
+    """A scan's ``ys`` that nothing reads, and the body work only they need, leave the traced program.
+
+    XLA drops them from the compiled loop, so a plan that kept them predicted
+    collectives the lowered program never ran (found by fuzz_plan: a 24-byte
+    reduce-scatter of ``jnp.sum(c, axis=0)`` in a scan over rows split two ways).
+    """
+    from shardsolve.trace import trace
+
+    def fun(h, ws):
+        return jax.lax.scan(lambda c, w: (jnp.tanh(c @ w), jnp.sum(c, axis=0)), h, ws)[0]
+
+    t = trace(fun, jax.ShapeDtypeStruct((16, 6), jnp.float32), jax.ShapeDtypeStruct((2, 6, 6), jnp.float32))
+    (scan,) = [e for e in t.jaxpr.jaxpr.eqns if e.primitive.name == "scan"]
+    assert len(scan.outvars) == 1
+    assert [e.primitive.name for e in scan.params["jaxpr"].jaxpr.eqns] == ["dot_general", "tanh"]
+    assert len(t.jaxpr.jaxpr.invars) == 2  # every argument stays, read or not

@@ -15,6 +15,9 @@ The others:
 
 - ``iota`` adds the shard's offset along a split ``dimension``;
 - ``slice``/``dynamic_slice`` take the whole local extent of passed-through dims;
+- ``dynamic_update_slice`` writes in place unless another operation reads
+  its operand's buffer (``in_place=False``): then it selects the update,
+  placed in a fresh buffer, over the operand;
 - ``gather`` with a split indexed dimension looks up only the indices in the
   shard's range (shifted by the shard's offset) and writes zeros elsewhere;
   ``FILL_OR_DROP`` fill values are written by one device of the partial group;
@@ -52,6 +55,7 @@ class LocalCall:
     strategy: Strategy
     mesh: MeshSpec
     axis_index: AxisIndex
+    in_place: bool = True  # no other operation reads the first operand: an update may overwrite it
 
     def out_local_shape(self, k: int = 0) -> tuple[int, ...]:
         return self.strategy.results[k].local_shape(self.op.out_shapes[k], self.mesh)
@@ -105,16 +109,19 @@ def run_local(
     axis_index: AxisIndex,
     *,
     clear_padding: bool = True,
+    in_place: bool = True,
 ) -> list:
     """Each result's local shard, from each operand's local shard (see the module docstring).
 
     ``clear_padding=False`` leaves the padding of unevenly split reduction
     factors as it is (for the validator's own test: a reduction then sums it).
+    ``in_place=False`` says another operation of the program reads the first
+    operand as well (``dynamic_update_slice`` then writes a fresh buffer).
     """
     kernel = KERNELS.get(op.primitive, _rebind)
     if clear_padding:
         operands = _clear_reduced_padding(op, rule, strategy, mesh, list(operands), axis_index)
-    return kernel(LocalCall(op, rule, strategy, mesh, axis_index), operands)
+    return kernel(LocalCall(op, rule, strategy, mesh, axis_index, in_place), operands)
 
 
 def _clear_reduced_padding(op: OpView, rule: Rule, strategy: Strategy, mesh: MeshSpec, operands: list,
@@ -208,6 +215,27 @@ def _slice(call: LocalCall, operands: list) -> list:
 
 def _dynamic_slice(call: LocalCall, operands: list) -> list:
     return call.bind(operands, slice_sizes=call.out_local_shape())
+
+
+def _dynamic_update_slice(call: LocalCall, operands: list) -> list:
+    """In place when nothing else reads the operand; else a select of the placed update over the operand.
+
+    XLA (CPU, jax 0.10.2) fuses ``dynamic_slice(u, i)`` into an in-place
+    ``dynamic_update_slice(u, f(slice), j)`` when ``u`` reaches the update
+    through a bitcast (a shard of an all-to-all, for one), and overwrites rows
+    the slice still reads where ``i < j`` overlap. Writing the update into
+    fresh buffers and selecting leaves ``u`` read-only, with the same clamped
+    start indices.
+    """
+    if call.in_place:
+        return call.bind(operands)
+    import jax.numpy as jnp
+    from jax import lax
+
+    operand, update, *starts = operands
+    inside = lax.dynamic_update_slice(jnp.zeros(operand.shape, bool), jnp.ones(update.shape, bool), starts)
+    placed = lax.dynamic_update_slice(jnp.zeros(operand.shape, operand.dtype), update, starts)
+    return [jnp.where(inside, placed, operand)]
 
 
 def _mode_name(mode: Any) -> str:
@@ -325,6 +353,7 @@ KERNELS: dict[str, Kernel] = {
     "iota": _iota,
     "slice": _slice,
     "dynamic_slice": _dynamic_slice,
+    "dynamic_update_slice": _dynamic_update_slice,
     "gather": _gather,
     "scatter-add": _scatter_add,
     "scatter_add": _scatter_add,
