@@ -408,15 +408,15 @@ class ProblemBuilder:
                 self.reads.append(Read(producer, to, x, info.ref if info.kind != "output" else None, dst))
         self.add_edge(producer, to, table * scale if scale != 1 else table)
 
-    def pending_sums(self) -> int:
-        """The program's values that may start a pending sum, as a bitset of value ids.
+    def pending_sums(self) -> list[int]:
+        """The program's values that may start a pending sum.
 
         An op's result does when some strategy makes it partial from operands
         that are not (a contraction, a reduction); what only passes a pending
         sum on (a scaling, an addition, a reshape) does not. A value made by
         anything but an op (a scan's boundary) does when it may be partial.
         """
-        bits = 0
+        starting = []
         for (scope, v), (idx, shardings) in self.produced_at.items():
             if scope:
                 continue
@@ -428,15 +428,15 @@ class ProblemBuilder:
             else:
                 starts = any(sh.partial for sh in shardings)
             if starts:
-                bits |= 1 << v
-        return bits
+                starting.append(v)
+        return starting
 
     def share_merged_latency(self) -> None:
         """Price the program's last reductions as XLA runs them: merged, one latency for all of them.
 
         XLA merges independent collectives of a kind (``cost.COMBINED_KINDS``)
         over the same devices into one. A read is *terminal* when nothing
-        computed from its reader (``Graph.downstream``) may start a pending sum
+        computed from its reader (``Graph.reaching``) may start a pending sum
         (``pending_sums``): terminal reads of different sums never depend on
         each other (a training step's gradient reductions are the typical
         ones). For each merge key with two or more terminal values:
@@ -457,12 +457,11 @@ class ProblemBuilder:
         tables, values, mesh, edges = self.tables, self.graph.values, self.mesh, self.edges
         latency = [tables.mergeable_latency(values[r.value].shape, values[r.value].itemsize,
                                             self.ids_at[((), r.value)], r.dst) for r in self.reads]
-        sums = self.pending_sums()
-        below = self.graph.downstream
+        sums = self.graph.reaching(self.pending_sums(), together=True)
         pinned = {p.node: list(p.allowed) for p in self.pins}
         terminal: dict[tuple, list[tuple[Read, np.ndarray, np.ndarray]]] = {}
         for r, lat in zip(self.reads, latency):
-            if not lat or (r.consumer is not None and below[r.consumer] & sums):
+            if not lat or (r.consumer is not None and sums[r.consumer]):
                 continue
             edge = edges[(r.producer, r.to)] if (r.producer, r.to) in edges else edges[(r.to, r.producer)].T
             allowed = edge < FORBIDDEN

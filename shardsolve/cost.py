@@ -574,7 +574,7 @@ class ReshardTables:
         self.shardings: list[Sharding] = []
         self._small: dict[tuple, np.ndarray] = {}
         self._full: dict[tuple, np.ndarray] = {}
-        self._merged: dict[tuple, np.ndarray] = {}
+        self._merged: dict[tuple, dict[tuple, np.ndarray]] = {}
 
     def ids(self, shardings: Sequence[Sharding]) -> np.ndarray:
         out = np.empty(len(shardings), dtype=np.int64)

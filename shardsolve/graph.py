@@ -108,22 +108,25 @@ class Graph:
         """The value ids among ``outputs`` (literals left out)."""
         return frozenset(x for x in self.outputs if not isinstance(x, Lit))
 
-    @functools.cached_property
-    def downstream(self) -> tuple[int, ...]:
-        """Per op id, the values computed from its results, its results included, as a bitset (bit ``v``: value ``v``).
+    def reaching(self, values: Sequence[int], *, together: bool = False) -> list[int]:
+        """Per op id, which of ``values`` are computed from its results, as a bitset (bit ``k``: ``values[k]``).
 
-        ``downstream[k] >> v & 1`` says whether value ``v`` depends on op ``k``
-        (what XLA's combiners ask before merging two collectives).
+        An op's own results count; ``together`` gives every value bit 0 (is any
+        computed from it?). What XLA's combiners ask before merging two
+        collectives: does one's input depend on the other's reader?
         """
+        bit = {}
+        for k, v in enumerate(values):
+            bit[v] = bit.get(v, 0) | 1 << (0 if together else k)
         below = [0] * len(self.ops)
         for op in reversed(self.ops):
             bits = 0
             for v in op.outputs:
-                bits |= 1 << v
+                bits |= bit.get(v, 0)
                 for k, _ in self.consumers.get(v, ()):
                     bits |= below[k]
             below[op.id] = bits
-        return tuple(below)
+        return below
 
     def body(self, op: Op) -> Graph:
         """The graph of a ``scan`` op's body, nested calls inlined (built once, then cached).

@@ -115,13 +115,17 @@ def combined_latencies(schedule: Schedule, pairs: list) -> set[int]:
 
     XLA merges independent collectives of ``cost.COMBINED_KINDS`` over the same
     devices and reduction (``cost.combine_groups``); one depends on another when
-    its value is computed from the other's reader (``Graph.downstream``) or is
+    its value is computed from the other's reader (``Graph.reaching``) or is
     the same value. Demands in the same scan body merge with each other.
     """
     keys = []
+    read: dict[tuple, list[int]] = {}  # scope -> the values its mergeable collectives read
     for d, step in pairs:
         mergeable = step.kind in COMBINED_KINDS and d.scope == d.site.scope and d.site.kind != ARGUMENT
         keys.append((d.site.scope, step.axes, step.src.reduce_op) if mergeable else None)
+        if mergeable:
+            read.setdefault(d.site.scope, []).append(d.value)
+    below = {scope: (vs, schedule.graph_of(scope).reaching(vs)) for scope, vs in read.items()}
 
     def depends(i: int, j: int) -> bool:
         a, b = pairs[i][0], pairs[j][0]
@@ -129,7 +133,8 @@ def combined_latencies(schedule: Schedule, pairs: list) -> set[int]:
             return True
         if a.site.kind == OUTPUT:
             return False
-        return bool(schedule.graph_of(a.site.scope).downstream[a.site.index] >> b.value & 1)
+        vs, reach = below[a.site.scope]
+        return bool(reach[a.site.index] >> vs.index(b.value) & 1)
 
     return {k for group in combine_groups(keys, depends) for k in group[1:]}
 
