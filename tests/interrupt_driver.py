@@ -6,7 +6,8 @@ MODE ``tap``: the real solver; MARKER is written once its search holds a
 complete solution (the first progress report with a finite cost), so a signal
 sent after it finds one to hand back. MODE ``hold``: a search that finds the
 solver's own answer, marks it as its incumbent, writes MARKER, and then goes
-on until a signal stops it. Any other MODE: the plain command (the test's
+on until a signal stops it (layer tying is off, so that it is the search the
+planner runs). Any other MODE: the plain command (the test's
 model file writes MARKER itself).
 """
 
@@ -52,7 +53,10 @@ def main() -> int:
     if mode == "tap":
         encodings.solve = tapped(encodings.solve, marker)
     elif mode == "hold":
+        import shardsolve.planner
+
         encodings.solve = holding(encodings.solve, marker)
+        shardsolve.planner.solve_tied = lambda problem, **options: None  # the held search is the untied one
     from shardsolve.cli.main import main as shardsolve
 
     return shardsolve(argv)
