@@ -377,8 +377,10 @@ def _solve(built: Built, time_limit: float | None, seed: int, tie: bool, say: Ca
     (``Built.plain_edges``, see ``build.share_merged_latency``) and ``price``
     (a solution's step time as the plan counts it) says the optimism cost more
     than ``OPTIMISM`` of it, the problem with every latency paid is solved too,
-    and the faster plan kept; each solve then gets half of ``time_limit``.
-    Under a memory limit only the latter is solved.
+    and the faster plan kept. Such a problem's solves get half of
+    ``time_limit`` each, the first whether or not the second runs (so the plan
+    does not depend on the clock). Under a memory limit only the plain problem
+    is solved, with the whole limit.
     """
     if built.plain_edges is not None and built.problem.usage_limit is not None:
         # Under a memory limit the search needs its whole time (and the compiled-memory search its
