@@ -10,19 +10,9 @@ from jax.sharding import PartitionSpec as P
 import shardsolve
 from shardsolve.encodings import portfolio
 
+from test_tying import _stack_step  # noqa: I001 - an SGD step of repeated layers, for tying
+
 MESH = "data=2,model=4"
-
-
-def _stack_step(params, x):
-    """An SGD step of a stack of identical tanh layers (unrolled): repeated layers for tying."""
-
-    def loss(params, x):
-        for w in params:
-            x = jnp.tanh(x @ w)
-        return jnp.mean(x * x)
-
-    grads = jax.grad(loss)(params, x)
-    return [w - 0.1 * g for w, g in zip(params, grads)]
 
 
 ARGS = ([jax.ShapeDtypeStruct((32, 32), jnp.float32) for _ in range(6)], jax.ShapeDtypeStruct((16, 32), jnp.float32))
