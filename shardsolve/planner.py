@@ -142,7 +142,8 @@ def plan(
     ``in_shardings``/``out_shardings`` are pytree prefixes of the arguments /
     outputs with ``PartitionSpec`` (pinned) or ``None`` (free) leaves.
     ``memory_limit`` is bytes per device (or a string like ``"16GiB"``),
-    ``time_limit`` the solver's seconds. ``carry`` lists (argument index,
+    ``time_limit`` the solver's seconds, for all of this call's solves
+    together (see ``FIRST_SOLVE_SHARE``). ``carry`` lists (argument index,
     output index) pairs whose leaves must share shardings: the output is the
     next value of the argument, as a training step's parameters are.
     ``progress`` receives one-line status messages.
@@ -182,7 +183,8 @@ def plan(
     ``memory_rounds``, ``compiled_peak_memory``), or ``InfeasibleError`` after
     ``MEMORY_ROUNDS`` solves. Where the model calls the limit infeasible but
     overestimates the compiled peak, the limit it sees is raised by that
-    overestimate first. ``"model"`` trusts the cost model's estimate. Without
+    overestimate first. The solves share ``time_limit``: the first gets half
+    of it, each later one a tenth. ``"model"`` trusts the cost model's estimate. Without
     enough devices for the mesh the model is trusted.
     """
     say = progress or (lambda message: None)
@@ -202,17 +204,20 @@ def plan(
     if logical_rules:
         axes = _logical_axes(args, graph, in_shardings, mesh_spec)
         say(f"solving without logical-axis ties ({len(built.problem.nodes)} nodes)")
-        free = _solve(built, time_limit, seed, tie, say if progress else None, price)
+        free = _solve(built, _share(time_limit, LOGICAL_FREE_SHARE), seed, tie, say if progress else None, price)
         built = tie_axes(built, graph, axes.ties(), axes.whole())
+        time_limit = _share(time_limit, 1 - LOGICAL_FREE_SHARE)
+    check_compiled = limit is not None and memory_check == "compiled" and _devices_present(mesh_spec)
     say(f"solving ({len(built.problem.nodes)} nodes, {built.problem.num_strategies} strategies)")
     try:
-        solution = _solve(built, time_limit, seed, tie, say if progress else None, price)
+        first = _share(time_limit, FIRST_SOLVE_SHARE) if check_compiled else time_limit
+        solution = _solve(built, first, seed, tie, say if progress else None, price)
     except Interrupted as interrupt:  # Ctrl-C: hand back the best complete plan so far, where there is one
         best = interrupt.solution
         if best is not None and len(best.assignment) == len(built.problem.nodes):
             interrupt.plan = to_plan(graph, built, best, mesh_spec, fun, source)
         raise
-    if limit is not None and memory_check == "compiled" and _devices_present(mesh_spec):
+    if check_compiled:
         result = _within_compiled_memory(graph, built, solution, mesh_spec, fun, args, source, limit, time_limit,
                                          seed, tie, say, progress, price)
     else:
@@ -244,7 +249,18 @@ def _logical_axes(args: tuple, graph: Graph, in_shardings: Any, mesh: MeshSpec) 
 
 MEMORY_CHECKS = ("compiled", "model")
 MEMORY_ROUNDS = 4  # solves at most, the first included
+#: ``time_limit`` covers every solve of one ``plan`` call, in fixed shares (so that the plan does not depend on
+#: the clock): with a compiled memory check the first solve gets ``FIRST_SOLVE_SHARE`` of it and each later one
+#: (the probe without the limit, the re-solves under searched limits: ``MEMORY_ROUNDS + 1`` at most) an equal
+#: part of the rest; with ``logical_rules`` the reference solve without the ties gets ``LOGICAL_FREE_SHARE``.
+FIRST_SOLVE_SHARE = 0.5
+LOGICAL_FREE_SHARE = 0.3
 OPTIMISM = 0.005  # how much optimistic pricing of merged collectives may cost a plan before the plain problem is solved
+
+
+def _share(time_limit: float | None, part: float) -> float | None:
+    """``part`` of ``time_limit`` (None, no limit, stays None)."""
+    return None if time_limit is None else part * time_limit
 
 
 def _refuse_unsolved(built: Built, solution, limit: float | None, detail: str = "") -> None:
@@ -281,12 +297,14 @@ def _within_compiled_memory(graph: Graph, built: Built, solution, mesh: MeshSpec
     limit the solver sees is searched: first ``limit`` itself, then the
     compiled overshoot taken off, then halving the interval between the
     largest limit known to be too loose and the smallest known to fit (or to be
-    infeasible in the model), for at most ``MEMORY_ROUNDS`` solves. Where the
+    infeasible in the model), for at most ``MEMORY_ROUNDS`` solves (``time_limit``
+    is the whole call's: each solve here gets its later share). Where the
     solver finds no plan under ``limit`` at all, the model's overestimate on
     the plan without the limit (planned minus compiled peak) is tried first.
     """
     best: tuple[Plan, int] | None = None
     lo, hi, internal, rounds, compiled = 0.0, math.inf, limit, 0, None
+    time_limit = _share(time_limit, (1 - FIRST_SOLVE_SHARE) / (MEMORY_ROUNDS + 1))  # each later solve's
     if not math.isfinite(solution.cost) and solution.status == "infeasible":
         free = _solve(_limited(built, None), time_limit, seed, tie, None, price)
         excess = 0.0

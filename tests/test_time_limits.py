@@ -8,6 +8,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import shardsolve
+from shardsolve import planner
 from shardsolve.encodings import portfolio
 
 from test_tying import _stack_step  # noqa: I001 - an SGD step of repeated layers, for tying
@@ -46,3 +47,44 @@ def test_tied_model_under_a_time_limit_finishes_with_a_plan(searched):
     assert "tying" in stats  # the tied search ran, its limit included
     assert plans[0].status in ("optimal", "feasible")
     assert plans[0].dumps() == plans[1].dumps()
+
+
+def _recorded_limits(monkeypatch) -> list:
+    """The time limit of every solve ``shardsolve.plan`` starts, in order."""
+    limits, search = [], planner._search
+
+    def recording(built, time_limit, *args, **kwargs):
+        limits.append(time_limit)
+        return search(built, time_limit, *args, **kwargs)
+
+    monkeypatch.setattr(planner, "_search", recording)
+    return limits
+
+
+def test_the_solves_of_a_memory_search_share_the_time_limit(monkeypatch):
+    """Every re-solve of the compiled-memory search comes out of the one limit: ``time_limit`` bounds the call."""
+    limits = _recorded_limits(monkeypatch)
+    # A compiled program 30% over the model's peak, so that each plan overshoots and the limit is searched.
+    monkeypatch.setattr(planner, "_compiled_peak", lambda plan, args: int(1.3 * plan.cost.peak_memory))
+    free = shardsolve.plan(_stack_step, *ARGS, mesh=MESH, in_shardings=(None, P("data")), tie=False)
+    limits.clear()
+    try:
+        plan = shardsolve.plan(_stack_step, *ARGS, mesh=MESH, in_shardings=(None, P("data")), tie=False,
+                               time_limit=8.0, memory_limit=int(0.7 * free.cost.peak_memory))
+        assert dict(plan.stats)["memory_rounds"] == len(limits)
+    except shardsolve.InfeasibleError as error:
+        assert "compiled program fits" in str(error)
+    assert len(limits) >= 2  # the limit was searched
+    assert limits[0] == 8.0 * planner.FIRST_SOLVE_SHARE
+    assert sum(limits) <= 8.0
+
+
+def test_logical_rules_reference_solve_shares_the_time_limit(monkeypatch):
+    pytest.importorskip("flax")
+    from test_flax import _nnx_setup, _plan
+
+    limits = _recorded_limits(monkeypatch)
+    _, step, args = _nnx_setup()
+    plan = _plan(step, args, logical_rules=True, time_limit=6.0)
+    assert "logical_free_cost" in dict(plan.stats)  # the reference solve without the ties ran
+    assert len(limits) >= 2 and sum(limits) <= 6.0
