@@ -73,6 +73,9 @@ MOVE_ROUNDS = 200
 MOVE_SHARE = 0.05
 #: Deterministic charge (seconds) per node and per edge of the input, for checking and reducing it.
 REDUCE_CHARGE = 5e-5
+#: TRW-S warm starts (where no LP guides): further usage penalties are tried while their work is within this
+#: share of the budget left (``search.trws_starts``).
+TRWS_START_SHARE = 0.5
 #: TRW-S bound (where the LP is skipped): at most this many passes, and this share of the budget.
 TRWS_PASSES = 200
 TRWS_SHARE = 0.12
@@ -354,7 +357,8 @@ class Portfolio:
             stats["warm_start_cost"] = c0 + self.offset if math.isfinite(c0) else None
             if self.guide is None:
                 # no LP to round: TRW-S decodings (memory penalised, then repaired) as further starts
-                x_t, c_t, used = search.trws_starts(flat, c0, self.seed, self.wall_left())
+                x_t, c_t, used = search.trws_starts(flat, c0, self.seed, self.wall_left(),
+                                                    budget=TRWS_START_SHARE * self.budget)
                 self.budget -= used
                 self.consider(x_t, c_t)
                 stats["trws_start_cost"] = c_t + self.offset if math.isfinite(c_t) else None
@@ -454,7 +458,7 @@ class Portfolio:
         stats["trws_bound"] = value + self.offset
         self.bound = max(self.bound, value)
         self.budget -= (passes + 3) * CHARGE_PER_ITEM * (flat.n + len(flat.tables))
-        if flat.n <= LARGE_NODES:
+        if flat.n <= LARGE_NODES and self.budget > 0:  # min-sum diffusion, where the budget has room for it
             self.bound = max(self.bound, bounds.dual_bound(flat, iterations=50))
             self.budget -= 100 * CHARGE_PER_ITEM * (flat.n + len(flat.tables))
 

@@ -424,8 +424,8 @@ def _descent_sweep(flat: Flat, x: np.ndarray, cost: float, comp: np.ndarray, dec
 # -- warm starts from message passing ----------------------------------------------------------
 
 
-def trws_starts(flat: Flat, reference: float, seed: int,
-                wall_limit: float | None = None) -> tuple[np.ndarray | None, float, float]:
+def trws_starts(flat: Flat, reference: float, seed: int, wall_limit: float | None = None,
+                budget: float | None = None) -> tuple[np.ndarray | None, float, float]:
     """Warm starts from TRW-S decodings of the costs plus a usage penalty, repaired; the best, its cost, the work.
 
     The decoding ignores memory; the penalty (``mu`` times the reference
@@ -434,8 +434,12 @@ def trws_starts(flat: Flat, reference: float, seed: int,
     (``heuristics.repair`` on the softened problem), then ICM on the softened
     problem, then ``repair_forbidden`` for the forbidden pairs left.
     ``wall_limit``: the caller's wall-clock net, in seconds from now.
+    ``budget``: deterministic work, after which no further penalty is tried
+    once some start is valid (``reference`` finite, or a decoding's cost); the
+    penalties go from none upwards, so a tight budget keeps the cheap ones.
     """
     started = time.perf_counter()
+    valid = math.isfinite(reference)
     soft, _ = softened(flat)
     cap = float(np.abs(flat.capacity).max()) if len(flat.capacity) else 1.0
     if not math.isfinite(reference):
@@ -446,6 +450,9 @@ def trws_starts(flat: Flat, reference: float, seed: int,
     items = flat.n + len(flat.tables)
     for k, mu in enumerate(TRWS_PENALTIES):
         if mu and not len(flat.capacity):
+            break
+        if k and (valid or math.isfinite(best_cost)) and (
+                (budget is not None and spent >= budget) or _left(started, wall_limit) == 0.0):
             break
         per_byte = mu * scale / max(cap, 1e-300)
         penalised = dataclasses.replace(flat, costs=tuple(c + per_byte * u for c, u in zip(flat.costs, usages)))
