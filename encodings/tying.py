@@ -66,7 +66,7 @@ from shardsolve.encodings.bounds import trws_bound
 from shardsolve.encodings.flat import evaluate, flatten
 from shardsolve.encodings.heuristics import icm
 from shardsolve.encodings.presolve import Reduced, component_labels, reduce
-from shardsolve.errors import InfeasibleError
+from shardsolve.errors import InfeasibleError, Interrupted
 from shardsolve.problem import FORBIDDEN, Edge, Node, Problem, Solution
 
 __all__ = ["DEFAULT_ROUNDS", "colours", "layer_classes", "origins", "tie", "Tied", "merge", "trws_bound", "untied_bound",
@@ -412,6 +412,24 @@ def _solve_tied_problem(problem: Problem, time_limit, seed: int, progress) -> So
     return inner
 
 
+def _interrupted(problem: Problem, assignment, started: float) -> Interrupted:
+    """``Interrupted`` carrying ``assignment`` (of the untied problem) where it is valid, else nothing.
+
+    No bound of the untied problem is known yet, so the solution's is the
+    trivial one (0 where every cost is non-negative, as a plan's times are).
+    """
+    if assignment is None:
+        return Interrupted(None)
+    cost = problem.evaluate(assignment)
+    if not math.isfinite(cost):
+        return Interrupted(None)
+    nonnegative = all(float(np.min(n.costs, initial=0.0)) >= 0 for n in problem.nodes) and all(
+        float(np.min(e.costs, initial=0.0)) >= 0 for e in problem.edges)
+    bound = min(0.0, cost) if nonnegative else -math.inf
+    return Interrupted(Solution(tuple(int(s) for s in assignment), cost, bound, "interrupted",
+                                time.perf_counter() - started, (), {"tying": "interrupted"}))
+
+
 def solve_tied(
     problem: Problem,
     *,
@@ -455,22 +473,32 @@ def solve_tied(
 
     if problem.usage_limit is None:  # fold the ties directly (the solver's reductions would, more slowly)
         merged, lift_merged = merge(reduced.problem, tied.pairs)
-        inner = _solve_tied_problem(merged, share(TIED_SHARE), seed, progress)
-        if inner is None:
-            return None
-        assignment = reduced.lift(lift_merged(inner.assignment))
+
+        def lift(x):
+            return reduced.lift(lift_merged(x))
+
+        inner_problem = merged
     else:  # memory differs between layers: keep the tie edges, the solver folds what memory allows
-        inner = _solve_tied_problem(tied.problem, share(TIED_SHARE), seed, progress)
-        if inner is None:
-            return None
-        assignment = reduced.lift(inner.assignment)
+        lift, inner_problem = reduced.lift, tied.problem
+    try:
+        inner = _solve_tied_problem(inner_problem, share(TIED_SHARE), seed, progress)
+    except Interrupted as interrupt:  # the tied search's best, as an assignment of the untied problem
+        best = interrupt.solution
+        raise _interrupted(problem, lift(best.assignment) if best is not None and best.assignment else None,
+                           started) from None
+    if inner is None:
+        return None
+    assignment = lift(inner.assignment)
     cost = problem.evaluate(assignment)
     if not math.isfinite(cost):
         return None
     tied_cost = cost
     bound_started = time.perf_counter()
-    bound, how, better = untied_bound(reduced, cost, seed=seed,
-                                      time_limit=BOUND_SECONDS if time_limit is None else min(BOUND_SECONDS, share(1.0 - TIED_SHARE)))
+    try:
+        bound, how, better = untied_bound(reduced, cost, seed=seed, time_limit=BOUND_SECONDS if time_limit is None
+                                          else min(BOUND_SECONDS, share(1.0 - TIED_SHARE)))
+    except Interrupted:  # the tied plan is complete: it is the best so far
+        raise _interrupted(problem, assignment, started) from None
     improved = False
     if better is not None:  # the pruned untied search beat the tied plan: tying was a restriction
         candidate = reduced.lift(better)

@@ -217,7 +217,7 @@ def plan(
         if best is not None and len(best.assignment) == len(built.problem.nodes):
             interrupt.plan = to_plan(graph, built, best, mesh_spec, fun, source)
         raise
-    if check_compiled:
+    if check_compiled:  # an interrupt here carries the best plan that fits as compiled, or none
         result = _within_compiled_memory(graph, built, solution, mesh_spec, fun, args, source, limit, time_limit,
                                          seed, tie, say, progress, price)
     else:
@@ -341,7 +341,12 @@ def _within_compiled_memory(graph: Graph, built: Built, solution, mesh: MeshSpec
         why = (f"compiled peak memory {format_bytes(compiled)} is over the limit" if solved and compiled > limit
                else "no plan under the last limit" if not solved else "looking for a faster plan that fits")
         say(f"{why}: solving again under {format_bytes(internal)} as the model counts it")
-        solution = _solve(_limited(built, internal), time_limit, seed, tie, say if progress else None, price)
+        try:
+            solution = _solve(_limited(built, internal), time_limit, seed, tie, say if progress else None, price)
+        except Interrupted as interrupt:  # the best plan so far is the fastest one known to fit
+            interrupt.solution = None
+            interrupt.plan = None if best is None else dataclasses.replace(best[0], status="interrupted")
+            raise
     if best is None:
         if compiled is None:
             _refuse_unsolved(_limited(built, internal), solution, limit, f", {format_bytes(internal)} as the model "
@@ -418,7 +423,12 @@ def _solve(built: Built, time_limit: float | None, seed: int, tie: bool, say: Ca
     if say:
         say(f"merged collectives priced optimistically cost the plan {optimism:.1%}: solving with every latency "
             "paid too")
-    plain = _search(built.plain(), half, seed, tie, say)
+    try:
+        plain = _search(built.plain(), half, seed, tie, say)
+    except Interrupted as interrupt:  # the first solve's plan is complete; keep the better of the two
+        if interrupt.solution is None or not price(interrupt.solution) < exact:
+            interrupt.solution = dataclasses.replace(solution, status="interrupted")
+        raise
     if _found(plain) and price(plain) < exact:
         return dataclasses.replace(plain, stats=dict(plain.stats) | {"merge_pricing": "plain"})
     return solution

@@ -186,3 +186,71 @@ def test_an_error_raised_by_the_interrupt_still_exits_as_interrupted(capsys, mon
     monkeypatch.setattr(plan_command, "run", broken_import)
     assert main(["plan", "m.py", "--mesh", MESH]) == 130
     assert capsys.readouterr().err.strip() == "interrupted: nothing written"
+
+
+@pytest.mark.parametrize("stage", ["tied search", "untied bound"])
+def test_an_interrupted_tied_search_hands_back_a_plan_of_the_whole_program(monkeypatch, stage):
+    """Ctrl-C while repeated layers are tied: the tied search's best, lifted to every value, is the plan so far."""
+    import dataclasses
+
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import PartitionSpec as P
+
+    from shardsolve.encodings import tying
+
+    from test_tying import _stack_step  # noqa: I001
+
+    if stage == "tied search":
+        real = tying._solve_tied_problem
+
+        def inner(problem, *args, **kwargs):
+            found = real(problem, *args, **kwargs)
+            raise Interrupted(dataclasses.replace(found, status="interrupted"))
+
+        monkeypatch.setattr(tying, "_solve_tied_problem", inner)
+    else:
+        def bound(*args, **kwargs):
+            raise Interrupted(None)  # nothing of its own yet: the tied plan is the best so far
+
+        monkeypatch.setattr(tying, "untied_bound", bound)
+    args = ([jax.ShapeDtypeStruct((32, 32), jnp.float32) for _ in range(6)],
+            jax.ShapeDtypeStruct((16, 32), jnp.float32))
+    with pytest.raises(Interrupted) as info:
+        shardsolve.plan(_stack_step, *args, mesh=MESH, in_shardings=(None, P("data")))
+    plan = info.value.plan
+    assert plan is not None and plan.status == "interrupted"
+    assert len(plan.inputs) == 7 and 0 < plan.gap <= 1  # no untied bound yet: the trivial one, 0
+
+
+def test_an_interrupted_memory_search_hands_back_the_best_plan_that_fits(monkeypatch):
+    """Ctrl-C during a re-solve of the compiled-memory search: the fastest plan known to fit is the plan so far."""
+    import jax
+    import jax.numpy as jnp
+
+    from shardsolve import planner
+
+    limit = 1 << 20
+    first, fitted = [2 * limit], []  # the first plan compiles far over the limit, later ones as the model counts
+
+    def compiled_peak(plan, args):
+        peak = first.pop() if first else int(plan.cost.peak_memory)
+        fitted.extend([plan] if peak <= limit else [])
+        return peak
+
+    monkeypatch.setattr(planner, "_compiled_peak", compiled_peak)
+    search = planner._search
+
+    def interrupted_once_one_fits(*args, **kwargs):
+        if fitted:  # the search goes on for a faster plan: Ctrl-C now
+            raise Interrupted(None)
+        return search(*args, **kwargs)
+
+    monkeypatch.setattr(planner, "_search", interrupted_once_one_fits)
+    x = jax.ShapeDtypeStruct((256, 256), jnp.float32)
+    w = jax.ShapeDtypeStruct((256, 256), jnp.float32)
+    with pytest.raises(Interrupted) as info:
+        shardsolve.plan(lambda x, w: jnp.tanh(x @ w), x, w, mesh=MESH, tie=False, memory_limit=limit)
+    plan = info.value.plan
+    assert plan is not None and plan.status == "interrupted"
+    assert plan.inputs == fitted[-1].inputs and plan.cost == fitted[-1].cost  # the plan that fits
