@@ -6,7 +6,7 @@ how long the solving actually takes, path by path, against the goal of at most
 ``1.05 * limit + 2`` seconds:
 
 * ``plan``, untied and tied (the tied solve, the untied bound that certifies it,
-  the untied fallback), on a two-axis and a three-axis mesh;
+  the untied fallback), small and large, on a two-axis and a three-axis mesh;
 * ``plan`` under a memory limit held as compiled (the first solve and the
   re-solves of the compiled-memory search);
 * the IOPDDL solver on a shared contest instance (reading the file excluded).
@@ -99,9 +99,12 @@ def iopddl_case(name: str):
 
 
 CASES = {  # name: (what it runs, its run(limit))
+    "gpt2-small": ("plan, GPT-2 small, 2x4, tied",
+                   lambda: plan_case("models/gpt2.py:gpt2", "small", "data=2,model=4")),
     "llama-untied": ("plan, Llama large, 2x4, untied",
                      lambda: plan_case("models/llama.py:llama", "large", "data=2,model=4", tie=False)),
-    "llama-tied": ("plan, Llama large, 2x4, tied", lambda: plan_case("models/llama.py:llama", "large", "data=2,model=4")),
+    "llama-tied": ("plan, Llama large, 2x4, tied",
+                   lambda: plan_case("models/llama.py:llama", "large", "data=2,model=4")),
     "gpt2-3axis": ("plan, GPT-2 large, 2x2x2, tied",
                    lambda: plan_case("models/gpt2.py:gpt2", "large", "data=2,fsdp=2,model=2")),
     "llama-memory": ("plan, Llama small, 2x4, memory limit 0.5x the free plan's",
