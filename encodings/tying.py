@@ -482,8 +482,8 @@ def solve_tied(
         lift, inner_problem = reduced.lift, tied.problem
     try:
         inner = _solve_tied_problem(inner_problem, share(TIED_SHARE), seed, progress)
-    except Interrupted as interrupt:  # the tied search's best, as an assignment of the untied problem
-        best = interrupt.solution
+    except KeyboardInterrupt as interrupt:  # the tied search's best (``Interrupted``), as one of the untied problem
+        best = getattr(interrupt, "solution", None)
         raise _interrupted(problem, lift(best.assignment) if best is not None and best.assignment else None,
                            started) from None
     if inner is None:
@@ -497,7 +497,7 @@ def solve_tied(
     try:
         bound, how, better = untied_bound(reduced, cost, seed=seed, time_limit=BOUND_SECONDS if time_limit is None
                                           else min(BOUND_SECONDS, share(1.0 - TIED_SHARE)))
-    except Interrupted:  # the tied plan is complete: it is the best so far
+    except KeyboardInterrupt:  # the tied plan is complete: it is the best so far
         raise _interrupted(problem, assignment, started) from None
     improved = False
     if better is not None:  # the pruned untied search beat the tied plan: tying was a restriction

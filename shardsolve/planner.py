@@ -212,11 +212,12 @@ def plan(
     try:
         first = _share(time_limit, FIRST_SOLVE_SHARE) if check_compiled else time_limit
         solution = _solve(built, first, seed, tie, say if progress else None, price)
-    except Interrupted as interrupt:  # Ctrl-C: hand back the best complete plan so far, where there is one
+    except KeyboardInterrupt as interrupt:  # Ctrl-C: hand back the best complete plan so far, where there is one
+        interrupt = _as_interrupted(interrupt)
         best = interrupt.solution
         if best is not None and len(best.assignment) == len(built.problem.nodes):
             interrupt.plan = to_plan(graph, built, best, mesh_spec, fun, source)
-        raise
+        raise interrupt from None
     if check_compiled:  # an interrupt here carries the best plan that fits as compiled, or none
         result = _within_compiled_memory(graph, built, solution, mesh_spec, fun, args, source, limit, time_limit,
                                          seed, tie, say, progress, price)
@@ -317,36 +318,34 @@ def _within_compiled_memory(graph: Graph, built: Built, solution, mesh: MeshSpec
         say(f"the model counts {format_bytes(excess)} more than the compiled program: solving under "
             f"{format_bytes(internal)}")
         solution = _solve(_limited(built, internal), time_limit, seed, tie, say if progress else None, price)
-    while True:
-        rounds += 1
-        solved = solution.status not in ("infeasible", "unknown") and math.isfinite(solution.cost)
-        if not solved:
-            lo = max(lo, internal)
-        else:
-            plan = to_plan(graph, _limited(built, internal), solution, mesh, fun, source)
-            compiled = _compiled_peak(plan, args)
-            if compiled <= limit:
-                if best is None or plan.cost.total < best[0].cost.total:
-                    best = (plan, compiled)
+    try:  # Ctrl-C from here on (a re-solve, a compile) hands back the fastest plan known to fit, or none
+        while True:
+            rounds += 1
+            solved = solution.status not in ("infeasible", "unknown") and math.isfinite(solution.cost)
+            if not solved:
                 lo = max(lo, internal)
             else:
-                hi = min(hi, internal, plan.cost.peak_memory)
-        if rounds >= MEMORY_ROUNDS or (best is not None and hi <= lo * 1.05):
-            break
-        if math.isinf(hi):  # fits at the limit itself: nothing looser to try
-            break
-        internal = hi - (compiled - limit) if best is None and rounds == 1 and solved else (lo + hi) / 2
-        if internal <= lo:
-            internal = (lo + hi) / 2
-        why = (f"compiled peak memory {format_bytes(compiled)} is over the limit" if solved and compiled > limit
-               else "no plan under the last limit" if not solved else "looking for a faster plan that fits")
-        say(f"{why}: solving again under {format_bytes(internal)} as the model counts it")
-        try:
+                plan = to_plan(graph, _limited(built, internal), solution, mesh, fun, source)
+                compiled = _compiled_peak(plan, args)
+                if compiled <= limit:
+                    if best is None or plan.cost.total < best[0].cost.total:
+                        best = (plan, compiled)
+                    lo = max(lo, internal)
+                else:
+                    hi = min(hi, internal, plan.cost.peak_memory)
+            if rounds >= MEMORY_ROUNDS or (best is not None and hi <= lo * 1.05):
+                break
+            if math.isinf(hi):  # fits at the limit itself: nothing looser to try
+                break
+            internal = hi - (compiled - limit) if best is None and rounds == 1 and solved else (lo + hi) / 2
+            if internal <= lo:
+                internal = (lo + hi) / 2
+            why = (f"compiled peak memory {format_bytes(compiled)} is over the limit" if solved and compiled > limit
+                   else "no plan under the last limit" if not solved else "looking for a faster plan that fits")
+            say(f"{why}: solving again under {format_bytes(internal)} as the model counts it")
             solution = _solve(_limited(built, internal), time_limit, seed, tie, say if progress else None, price)
-        except Interrupted as interrupt:  # the best plan so far is the fastest one known to fit
-            interrupt.solution = None
-            interrupt.plan = None if best is None else dataclasses.replace(best[0], status="interrupted")
-            raise
+    except KeyboardInterrupt:
+        raise Interrupted(None, None if best is None else dataclasses.replace(best[0], status="interrupted")) from None
     if best is None:
         if compiled is None:
             _refuse_unsolved(_limited(built, internal), solution, limit, f", {format_bytes(internal)} as the model "
@@ -425,13 +424,20 @@ def _solve(built: Built, time_limit: float | None, seed: int, tie: bool, say: Ca
             "paid too")
     try:
         plain = _search(built.plain(), half, seed, tie, say)
-    except Interrupted as interrupt:  # the first solve's plan is complete; keep the better of the two
+    except KeyboardInterrupt as interrupt:  # the first solve's plan is complete; keep the better of the two
+        interrupt = _as_interrupted(interrupt)
         if interrupt.solution is None or not price(interrupt.solution) < exact:
             interrupt.solution = dataclasses.replace(solution, status="interrupted")
-        raise
+        raise interrupt from None
     if _found(plain) and price(plain) < exact:
         return dataclasses.replace(plain, stats=dict(plain.stats) | {"merge_pricing": "plain"})
     return solution
+
+
+def _as_interrupted(interrupt: KeyboardInterrupt) -> Interrupted:
+    """``interrupt`` as ``errors.Interrupted``; a bare ``KeyboardInterrupt`` (one that landed outside the
+    solver's searches, which attach their best) carries nothing."""
+    return interrupt if isinstance(interrupt, Interrupted) else Interrupted(None)
 
 
 def _found(solution) -> bool:
