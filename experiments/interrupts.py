@@ -50,28 +50,40 @@ COMMANDS = {  # name: (argv after "shardsolve", the output file's name)
 }
 
 
-def run(argv: list[str], workdir: Path, delay: float | None, sig: int) -> tuple[int, str, float]:
-    """Run ``shardsolve argv`` in ``workdir``; signal it after ``delay`` s (None: never). (status, output, s)."""
+def run(argv: list[str], workdir: Path, delay: float | None, sig: int) -> tuple[int, str, float, bool]:
+    """Run ``shardsolve argv`` in ``workdir``; signal it after ``delay`` s (None: never).
+
+    Returns (exit status, output, seconds, whether the signal was sent while it ran). The child starts with
+    the default action for both signals, as from a terminal, whatever this process inherited.
+    """
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
-    started = time.perf_counter()
+    started, sent = time.perf_counter(), False
+
+    def default_signals():
+        for s in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(s, signal.SIG_DFL)
+
     proc = subprocess.Popen([sys.executable, "-m", "shardsolve.cli", *argv], cwd=workdir, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, preexec_fn=default_signals)
     try:
         if delay is not None:
             try:
                 proc.wait(timeout=delay)
             except subprocess.TimeoutExpired:
                 proc.send_signal(sig)
+                sent = True
         out, _ = proc.communicate(timeout=600)
     finally:
         if proc.poll() is None:
             proc.kill()
-    return proc.returncode, out, time.perf_counter() - started
+    return proc.returncode, out, time.perf_counter() - started, sent
 
 
-def check(command: str, workdir: Path, output: str, status: int, sig: int) -> list[str]:
+def check(command: str, workdir: Path, output: str, status: int, sig: int, sent: bool) -> list[str]:
     """The rules a run broke (empty: none)."""
     problems = []
+    if sent and status == 0:
+        problems.append("the signal was lost: the command ran on and exited 0")
     expected = {signal.SIGINT: 130, signal.SIGTERM: 143}[sig]
     if status not in (0, expected, -sig):
         problems.append(f"exit status {status} (expected 0 or {expected})")
@@ -135,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     for command in args.commands.split(","):
         argv_c, _ = COMMANDS[command]
         with tempfile.TemporaryDirectory() as tmp:
-            status, output, full = run(argv_c, Path(tmp), None, signal.SIGINT)
+            status, output, full, _ = run(argv_c, Path(tmp), None, signal.SIGINT)
             if status != 0:
                 print(output, file=sys.stderr)
                 raise SystemExit(f"{command} fails without a signal (exit status {status})")
@@ -147,10 +159,10 @@ def main(argv: list[str] | None = None) -> int:
             delay = rng.uniform(0.0, full)
             with tempfile.TemporaryDirectory() as tmp:
                 workdir = Path(tmp)
-                status, output, _ = run(argv_c, workdir, delay, sig)
-                problems = check(command, workdir, output, status, sig)
+                status, output, _, sent = run(argv_c, workdir, delay, sig)
+                problems = check(command, workdir, output, status, sig, sent)
                 wrote = (workdir / COMMANDS[command][1]).exists()
-            if status == 0:
+            if status == 0 and not sent:
                 counts["finished first"] += 1
             elif status == -sig:  # the default action: the process died of it, still importing
                 counts["before the command started"] += 1

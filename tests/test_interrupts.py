@@ -254,3 +254,17 @@ def test_an_interrupted_memory_search_hands_back_the_best_plan_that_fits(monkeyp
     plan = info.value.plan
     assert plan is not None and plan.status == "interrupted"
     assert plan.inputs == fitted[-1].inputs and plan.cost == fitted[-1].cost  # the plan that fits
+
+
+def test_a_signal_the_process_was_started_ignoring_stays_ignored():
+    """A background job of a non-interactive shell starts with SIGINT ignored: the CLI keeps it so."""
+    from shardsolve.cli.common import interrupts
+
+    saved = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        with interrupts():
+            assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+            assert signal.getsignal(signal.SIGTERM) not in (signal.SIG_IGN, signal.SIG_DFL)  # SIGTERM still handled
+        assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, saved)

@@ -174,7 +174,9 @@ def interrupts() -> Iterator[list[int]]:
 
     The exit status of an interrupted command is ``exit_status(signals)``:
     130 for SIGINT, 143 for SIGTERM (128 + the signal's number, as a shell
-    reports a process killed by it). Outside the main thread nothing is installed.
+    reports a process killed by it). Outside the main thread nothing is installed,
+    nor for a signal the process was started with ignored (a background job
+    of a non-interactive shell ignores SIGINT, as Python itself then does).
     """
     received: list[int] = []
 
@@ -196,6 +198,8 @@ def interrupts() -> Iterator[list[int]]:
     saved = {}
     try:
         for sig in (signal.SIGINT, signal.SIGTERM):
+            if signal.getsignal(sig) == signal.SIG_IGN:  # ignored by whoever started us (``cmd &``, nohup): keep so
+                continue
             saved[sig] = signal.signal(sig, handler)
     except ValueError:  # not the main thread
         pass
