@@ -142,7 +142,9 @@ def main(argv: list[str] | None = None) -> int:
     lines = [
         "# Time limits against the wall clock",
         "",
-        f"Written by `python experiments/time_limits.py --limits {args.limits}` on {os.cpu_count()} cores; load "
+        f"Written by `python experiments/time_limits.py --limits {args.limits}"
+        + ("" if args.cases == ",".join(CASES) else f" --cases {args.cases}")
+        + f"` on {os.cpu_count()} cores; load "
         f"average {load[0]:.1f} at the start and {load[1]:.1f} at the end. *Solving*: wall seconds inside the "
         "solves (summed over a plan call's solves; reading the IOPDDL file excluded); *call*: the whole "
         "`shardsolve.plan` call (tracing, building and, under a memory limit, compiling each candidate plan "
