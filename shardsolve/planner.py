@@ -184,8 +184,8 @@ def plan(
     ``MEMORY_ROUNDS`` solves. Where the model calls the limit infeasible but
     overestimates the compiled peak, the limit it sees is raised by that
     overestimate first. The solves share ``time_limit``: the first gets half
-    of it, each later one a tenth. ``"model"`` trusts the cost model's estimate. Without
-    enough devices for the mesh the model is trusted.
+    of it, each later one a tenth. ``"model"`` trusts the cost model's
+    estimate. Without enough devices for the mesh the model is trusted.
     """
     say = progress or (lambda message: None)
     mesh_spec = as_mesh_spec(mesh)
