@@ -71,6 +71,10 @@ LNS_CHUNKS = 3
 #: of the budget left.
 MOVE_ROUNDS = 200
 MOVE_SHARE = 0.05
+#: Wall seconds the forbidden-pair repair of ``find_feasible`` may take even where the safety net is spent: with
+#: nothing valid yet, a valid answer comes first (CP-SAT's feasibility model, the next resort, takes minutes to
+#: build on the large instances).
+FEASIBILITY_WALL = 60.0
 #: Deterministic charge (seconds) per node and per edge of the input, for checking and reducing it.
 REDUCE_CHARGE = 5e-5
 #: TRW-S warm starts (where no LP guides): further usage penalties are tried while their work is within this
@@ -401,8 +405,8 @@ class Portfolio:
         soft, penalty = softened(flat)
         start = heuristics.icm(soft, heuristics.least_usage(flat), sweeps=3)
         self.budget -= 3 * CHARGE_PER_ITEM * (flat.n + len(flat.tables))
-        start, used, repair_stats = search.repair_forbidden(
-            flat, start, budget=0.5 * self.budget, seed=seed, wall_limit=self.wall_left(),
+        start, used, repair_stats = search.repair_forbidden(  # a valid answer first: past the net if need be
+            flat, start, budget=0.5 * self.budget, seed=seed, wall_limit=max(self.wall_left(), FEASIBILITY_WALL),
         )
         self.budget -= used
         stats.update(repair_stats)
