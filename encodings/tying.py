@@ -381,7 +381,7 @@ def untied_bound(
     return min(upper, max(lb, sol.lower_bound) + offset), "trws+pruned", better
 
 
-def _solve_tied_problem(problem: Problem, time_limit, seed: int, progress) -> Solution | None:
+def solve_tied_problem(problem: Problem, time_limit, seed: int, progress) -> Solution | None:
     """The tied (merged) problem: exact reductions, then TRW-S decoding, else the full solver.
 
     Planner problems have a tight LP, so TRW-S usually reaches the tied
@@ -481,7 +481,7 @@ def solve_tied(
     else:  # memory differs between layers: keep the tie edges, the solver folds what memory allows
         lift, inner_problem = reduced.lift, tied.problem
     try:
-        inner = _solve_tied_problem(inner_problem, share(TIED_SHARE), seed, progress)
+        inner = solve_tied_problem(inner_problem, share(TIED_SHARE), seed, progress)
     except KeyboardInterrupt as interrupt:  # the tied search's best (``Interrupted``), as one of the untied problem
         best = getattr(interrupt, "solution", None)
         raise _interrupted(problem, lift(best.assignment) if best is not None and best.assignment else None,

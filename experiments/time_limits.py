@@ -11,7 +11,7 @@ how long the solving actually takes, path by path, against the goal of at most
   re-solves of the compiled-memory search);
 * the IOPDDL solver on a shared contest instance (reading the file excluded).
 
-*Solving* is the wall time inside the planner's solves (``planner._search``,
+*Solving* is the wall time inside the planner's solves (``planner.search_once``,
 summed over a call's solves) or inside ``encodings.solve``; tracing, building
 and compiling programs for the memory check are not solving and are shown
 apart as the call's total.
@@ -40,7 +40,7 @@ class Solving:
     def __init__(self):
         from shardsolve import planner
 
-        self.planner, self.search, self.seconds, self.solves = planner, planner._search, 0.0, 0
+        self.planner, self.search, self.seconds, self.solves = planner, planner.search_once, 0.0, 0
 
     def __enter__(self):
         def timed(*args, **kwargs):
@@ -51,11 +51,11 @@ class Solving:
                 self.seconds += time.perf_counter() - started
                 self.solves += 1
 
-        self.planner._search = timed
+        self.planner.search_once = timed
         return self
 
     def __exit__(self, *exc):
-        self.planner._search = self.search
+        self.planner.search_once = self.search
 
 
 def plan_case(spec: str, size: str, mesh: str, *, tie: bool = True, memory_fraction: float | None = None):

@@ -282,7 +282,7 @@ def _devices_present(mesh: MeshSpec) -> bool:
     return len(jax.devices()) >= mesh.size
 
 
-def _compiled_peak(plan: Plan, args: tuple) -> int:
+def compiled_peak(plan: Plan, args: tuple) -> int:
     """``memory_analysis()`` peak per device of the compiled ``plan.jit()`` (argument + output + temp - alias)."""
     abstract = [jax.tree.map(abstractify, a) for a in args]
     return compiled_memory(plan.jit().lower(*abstract).compile()).peak
@@ -311,7 +311,7 @@ def _within_compiled_memory(graph: Graph, built: Built, solution, mesh: MeshSpec
         excess = 0.0
         if math.isfinite(free.cost):
             probe = to_plan(graph, built, free, mesh, fun, source)
-            excess = probe.cost.peak_memory - _compiled_peak(probe, args)
+            excess = probe.cost.peak_memory - compiled_peak(probe, args)
         if excess <= 0:
             _refuse_unsolved(built, solution, limit)
         lo, internal = limit, limit + excess
@@ -326,7 +326,7 @@ def _within_compiled_memory(graph: Graph, built: Built, solution, mesh: MeshSpec
                 lo = max(lo, internal)
             else:
                 plan = to_plan(graph, _limited(built, internal), solution, mesh, fun, source)
-                compiled = _compiled_peak(plan, args)
+                compiled = compiled_peak(plan, args)
                 if compiled <= limit:
                     if best is None or plan.cost.total < best[0].cost.total:
                         best = (plan, compiled)
@@ -407,11 +407,11 @@ def _solve(built: Built, time_limit: float | None, seed: int, tie: bool, say: Ca
     if built.plain_edges is not None and built.problem.usage_limit is not None:
         # Under a memory limit the search needs its whole time (and the compiled-memory search its
         # rounds): the plain problem alone, whose merged latencies are the exact ones.
-        return _search(built.plain(), time_limit, seed, tie, say)
+        return search_once(built.plain(), time_limit, seed, tie, say)
     if price is None or built.plain_edges is None:
-        return _search(built, time_limit, seed, tie, say)
+        return search_once(built, time_limit, seed, tie, say)
     half = None if time_limit is None else time_limit / 2
-    solution = _search(built, half, seed, tie, say)
+    solution = search_once(built, half, seed, tie, say)
     if not _found(solution):
         return solution
     exact = price(solution)
@@ -423,7 +423,7 @@ def _solve(built: Built, time_limit: float | None, seed: int, tie: bool, say: Ca
         say(f"merged collectives priced optimistically cost the plan {optimism:.1%}: solving with every latency "
             "paid too")
     try:
-        plain = _search(built.plain(), half, seed, tie, say)
+        plain = search_once(built.plain(), half, seed, tie, say)
     except KeyboardInterrupt as interrupt:  # the first solve's plan is complete; keep the better of the two
         interrupt = _as_interrupted(interrupt)
         if interrupt.solution is None or not price(interrupt.solution) < exact:
@@ -444,7 +444,7 @@ def _found(solution) -> bool:
     return solution.status not in ("infeasible", "unknown") and math.isfinite(solution.cost)
 
 
-def _search(built: Built, time_limit: float | None, seed: int, tie: bool, say: Callable[[str], None] | None):
+def search_once(built: Built, time_limit: float | None, seed: int, tie: bool, say: Callable[[str], None] | None):
     """The solver's ``Solution``: tied where the program repeats itself (``tie``), else searched untied."""
     solver_progress = _solver_progress(say) if say else None
     solution, started = None, time.perf_counter()

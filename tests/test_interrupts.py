@@ -202,13 +202,13 @@ def test_an_interrupted_tied_search_hands_back_a_plan_of_the_whole_program(monke
     from test_tying import _stack_step  # noqa: I001
 
     if stage == "tied search":
-        real = tying._solve_tied_problem
+        real = tying.solve_tied_problem
 
         def inner(problem, *args, **kwargs):
             found = real(problem, *args, **kwargs)
             raise Interrupted(dataclasses.replace(found, status="interrupted"))
 
-        monkeypatch.setattr(tying, "_solve_tied_problem", inner)
+        monkeypatch.setattr(tying, "solve_tied_problem", inner)
     else:
         def bound(*args, **kwargs):
             raise KeyboardInterrupt  # where no search attaches its best: the tied plan is the best so far
@@ -238,15 +238,15 @@ def test_an_interrupted_memory_search_hands_back_the_best_plan_that_fits(monkeyp
         fitted.extend([plan] if peak <= limit else [])
         return peak
 
-    monkeypatch.setattr(planner, "_compiled_peak", compiled_peak)
-    search = planner._search
+    monkeypatch.setattr(planner, "compiled_peak", compiled_peak)
+    search = planner.search_once
 
     def interrupted_once_one_fits(*args, **kwargs):
         if fitted:  # the search goes on for a faster plan: Ctrl-C now
             raise Interrupted(None)
         return search(*args, **kwargs)
 
-    monkeypatch.setattr(planner, "_search", interrupted_once_one_fits)
+    monkeypatch.setattr(planner, "search_once", interrupted_once_one_fits)
     x = jax.ShapeDtypeStruct((256, 256), jnp.float32)
     w = jax.ShapeDtypeStruct((256, 256), jnp.float32)
     with pytest.raises(Interrupted) as info:

@@ -51,13 +51,13 @@ def test_tied_model_under_a_time_limit_finishes_with_a_plan(searched):
 
 def _recorded_limits(monkeypatch) -> list:
     """The time limit of every solve ``shardsolve.plan`` starts, in order."""
-    limits, search = [], planner._search
+    limits, search = [], planner.search_once
 
     def recording(built, time_limit, *args, **kwargs):
         limits.append(time_limit)
         return search(built, time_limit, *args, **kwargs)
 
-    monkeypatch.setattr(planner, "_search", recording)
+    monkeypatch.setattr(planner, "search_once", recording)
     return limits
 
 
@@ -65,7 +65,7 @@ def test_the_solves_of_a_memory_search_share_the_time_limit(monkeypatch):
     """Every re-solve of the compiled-memory search comes out of the one limit: ``time_limit`` bounds the call."""
     limits = _recorded_limits(monkeypatch)
     # A compiled program 30% over the model's peak, so that each plan overshoots and the limit is searched.
-    monkeypatch.setattr(planner, "_compiled_peak", lambda plan, args: int(1.3 * plan.cost.peak_memory))
+    monkeypatch.setattr(planner, "compiled_peak", lambda plan, args: int(1.3 * plan.cost.peak_memory))
     free = shardsolve.plan(_stack_step, *ARGS, mesh=MESH, in_shardings=(None, P("data")), tie=False)
     limits.clear()
     try:
