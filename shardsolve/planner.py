@@ -229,7 +229,7 @@ def plan(
         return result
     stats = dict(result.stats)
     stats["logical_cost"] = result.cost.total
-    if math.isfinite(free.cost) and free.status not in ("infeasible", "unknown"):
+    if _found(free):
         free_cost = to_plan(graph, built, free, mesh_spec, fun, source).cost
         stats.update(logical_free_cost=free_cost.total, logical_free_peak_memory=free_cost.peak_memory,
                      logical_overhead=result.cost.total / free_cost.total - 1 if free_cost.total > 0 else 0.0)
@@ -266,7 +266,7 @@ def _share(time_limit: float | None, part: float) -> float | None:
 
 def _refuse_unsolved(built: Built, solution, limit: float | None, detail: str = "") -> None:
     """Raise the one-line error of a solve that found no plan (unknown, or infeasible with its conflict)."""
-    if solution.status not in ("infeasible", "unknown") and math.isfinite(solution.cost):
+    if _found(solution):
         return
     if solution.status == "unknown":
         raise ShardsolveError(
@@ -321,7 +321,7 @@ def _within_compiled_memory(graph: Graph, built: Built, solution, mesh: MeshSpec
     try:  # Ctrl-C from here on (a re-solve, a compile) hands back the fastest plan known to fit, or none
         while True:
             rounds += 1
-            solved = solution.status not in ("infeasible", "unknown") and math.isfinite(solution.cost)
+            solved = _found(solution)
             if not solved:
                 lo = max(lo, internal)
             else:
@@ -441,6 +441,7 @@ def _as_interrupted(interrupt: KeyboardInterrupt) -> Interrupted:
 
 
 def _found(solution) -> bool:
+    """Whether the solve found a plan (a finite cost, not infeasible or unknown)."""
     return solution.status not in ("infeasible", "unknown") and math.isfinite(solution.cost)
 
 
