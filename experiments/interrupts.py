@@ -14,11 +14,12 @@ first), and checks what it left:
   exactly when the run was;
 * no temporary file left beside it;
 * at most one line saying what was written (``interrupted: ...``) and no
-  traceback, except when the signal came while Python was still importing
-  JAX, before the command started: the process then dies of the signal (the
-  documented default action), leaving nothing and printing nothing of its own;
-  a signal that comes after the command wrote its result, while the process
-  exits, kills it the same way, its complete result in place.
+  traceback. A signal while the command imports JAX is held back until the
+  imports are done, and the command then stops before it starts. Only in the
+  milliseconds before that (Python's own start-up) does the process die of
+  the signal (the default action), leaving nothing; a signal that comes after
+  the command wrote its result, while the process exits, kills it the same
+  way, its complete result in place.
 
     python experiments/interrupts.py                  # 20 runs of each command
     python experiments/interrupts.py --runs 5 --commands iopddl
@@ -183,10 +184,9 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.runs} times with SIGINT or SIGTERM (alternately) after a delay drawn uniformly from zero to that "
         "duration. A run is ok when its exit status is 130 / 143 (or 0 if it finished first), its output file "
         "is absent or complete and valid (read back; an IOPDDL assignment priced finitely; status `interrupted` "
-        "exactly when interrupted), nothing temporary is left, and it printed no traceback (except a signal "
-        "during Python's import of JAX, before the command started, where the process dies of the signal as "
-        "documented and a shell reports 130 / 143; the same after the command wrote its result, on its way "
-        "out).",
+        "exactly when interrupted), nothing temporary is left, and it printed no traceback (except where the "
+        "process died of the signal, the default action: in Python's start-up before the command started, or "
+        "after the command wrote its result, on its way out; a shell reports 130 / 143).",
         "",
         "| command | uninterrupted s | interrupted, file written | interrupted, nothing written | finished first | "
         "before the command started | finished, then killed on the way out | broken |",

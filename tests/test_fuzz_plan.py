@@ -108,6 +108,37 @@ def test_dynamic_slice_of_a_finely_split_dimension_compiles():
     assert r.outcome == "ok", r.detail
 
 
+def test_xla_rejects_its_own_partitioning_of_that_dynamic_slice():
+    """Why ``plan.jit(execution="pinned")`` fails on the program above: plain ``jax.jit`` does too.
+
+    Eight rows split eight ways, a replicated first row choosing the start of a
+    four-row dynamic slice, and the slice constrained to split its columns:
+    JAX's partitioner (Shardy; GSPMD likewise) builds a ``dynamic-slice`` of a
+    one-row shard that XLA's own verifier rejects. No shardsolve code is
+    involved. This fails once a JAX release mends it; the caveat in README.md
+    (and the ``pinned`` form's) can then go.
+    """
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import pytest
+    from jax import lax
+    from jax.sharding import AxisType, NamedSharding
+
+    mesh = jax.make_mesh((4, 2), ("a", "b"), axis_types=(AxisType.Auto,) * 2)
+
+    def constrained(v, *spec):
+        return lax.with_sharding_constraint(v, NamedSharding(mesh, P(*spec)))
+
+    def f(h):
+        i = jnp.argmax(constrained(h[0:1], None, None)) % 2
+        return constrained(lax.dynamic_slice_in_dim(h, i, 4, axis=0), None, "b")
+
+    h = np.arange(48, dtype=np.float32).reshape(8, 6)
+    with pytest.raises(Exception, match="greater than dynamic slice dimension"):
+        jax.jit(f, in_shardings=NamedSharding(mesh, P(("a", "b"))))(h)
+
+
 def test_scan_over_rows_split_two_ways_runs_its_predicted_collectives():
     """Found by fuzz_plan: a scan over 16x6 rows split over (a, b) predicted a 24-byte reduce-scatter never run."""
     r = fuzz_plan.run_one(_program(["scan"], 16, 6, "a=2,b=4", P(("a", "b")), [None]), time_limit=60)

@@ -268,3 +268,37 @@ def test_a_signal_the_process_was_started_ignoring_stays_ignored():
         assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN
     finally:
         signal.signal(signal.SIGINT, saved)
+
+
+IMPORTING_JAX_SIGNALLED = """
+import builtins, os, signal, sys
+real_import = builtins.__import__
+
+def importing(name, *args, **kwargs):  # the signal comes as the command first imports JAX
+    if name == "jax" and "jax" not in sys.modules:
+        os.kill(os.getpid(), signal.{sig})
+    return real_import(name, *args, **kwargs)
+
+builtins.__import__ = importing
+import shardsolve.cli
+assert "jax" not in sys.modules, "importing the command line imported JAX"
+sys.exit(shardsolve.cli.main(["iopddl", "missing.json.gz", "--out", "out.json"]))
+"""
+
+
+@pytest.mark.parametrize("sig, status", [("SIGINT", 130), ("SIGTERM", 143)])
+def test_a_signal_while_the_command_imports_jax_ends_it_before_it_starts(tmp_path, sig, status):
+    """Held back until the imports are done: one line and the signal's exit status, no traceback, no file."""
+    proc = subprocess.run([sys.executable, "-c", IMPORTING_JAX_SIGNALLED.format(sig=sig)], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == status, proc.stderr
+    assert proc.stderr.strip() == "interrupted: nothing written"
+    assert _files(tmp_path) == []
+
+
+def test_importing_shardsolve_does_not_import_jax():
+    code = ("import sys, shardsolve; assert 'jax' not in sys.modules; "
+            "assert shardsolve.plan.__module__ == 'shardsolve.planner'; "
+            "from shardsolve.plan import Plan; assert callable(shardsolve.plan) and shardsolve.Plan is Plan; "
+            "assert 'jax' in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=300)

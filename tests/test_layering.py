@@ -7,7 +7,7 @@ problem -> encodings/solve -> schedule -> plan -> export | lower -> verify |
 compare -> cli); the foundations every stage uses (errors, files, units, mesh,
 sharding, the HLO reader, the cost model) come first. A module may import
 modules of its own stage or earlier ones, never a later stage's, and never the
-package ``shardsolve`` itself (its ``__init__`` imports everything).
+package ``shardsolve`` itself (its ``__init__`` binds every public name).
 """
 
 from __future__ import annotations

@@ -2,6 +2,6 @@
 
 import sys
 
-from shardsolve.cli.main import main
+from shardsolve.cli import main
 
 sys.exit(main())

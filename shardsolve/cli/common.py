@@ -113,8 +113,8 @@ def add_model_arguments(p: argparse.ArgumentParser, *, annotations_help: str, me
     p.add_argument("--annotations", default="default", choices=ANNOTATIONS, help=annotations_help)
     p.add_argument("--memory-limit", help=memory_help)
     p.add_argument("--time-limit", type=float,
-                   help="solver seconds per plan, all its solves together (default: 30; stops sooner when "
-                        "proven optimal)")
+                   help="solver seconds per plan, all its solves together (default: no limit for the plan, 30 "
+                        "for each of its solves; stops sooner when proven optimal)")
 
 
 def source_of(args: argparse.Namespace) -> ModelSource:

@@ -42,13 +42,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if not getattr(args, "func", None):
-        parser.print_help()
-        return EXIT_BAD_INPUT
     with interrupts() as received:
         try:
+            parser = build_parser()
+            args = parser.parse_args(argv)
+            if not getattr(args, "func", None):
+                parser.print_help()
+                return EXIT_BAD_INPUT
             return int(args.func(args) or 0)
         except ShardsolveError as e:  # InfeasibleError included
             console(stderr=True).print(f"[red]error:[/red] {escape(str(e))}", soft_wrap=True)
