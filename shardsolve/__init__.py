@@ -25,10 +25,9 @@ from typing import TYPE_CHECKING, Any
 
 from shardsolve.version import __version__
 
-# Public name -> the module that defines it.
+# Public name -> the module that defines it (the four functions named like a submodule: ``_Package``).
 _EXPORTS = {
     "Comparison": "shardsolve.compare",
-    "compare": "shardsolve.compare",
     "InfeasibleError": "shardsolve.errors",
     "Interrupted": "shardsolve.errors",
     "ShardsolveError": "shardsolve.errors",
@@ -42,12 +41,10 @@ _EXPORTS = {
     "PredictedCollective": "shardsolve.plan",
     "load_plan": "shardsolve.plan",
     "Sharding": "shardsolve.sharding",
-    "lower": "shardsolve.lower",
     "VerifyReport": "shardsolve.verify",
-    "verify": "shardsolve.verify",
 }
 
-__all__ = sorted([*_EXPORTS, "__version__", "plan"])
+__all__ = sorted([*_EXPORTS, "__version__", "compare", "lower", "plan", "verify"])
 
 if TYPE_CHECKING:  # what the names are, for type checkers and editors
     from shardsolve.compare import Comparison, compare
@@ -73,21 +70,32 @@ def __dir__() -> list[str]:
     return sorted({*globals(), *__all__})
 
 
-class _Package(types.ModuleType):
-    """The package's module type: ``shardsolve.plan`` is the function ``shardsolve.planner.plan``.
+def _function_over_submodule(name: str, module: str) -> property:
+    """The function ``module.name`` as the package's ``name``, whatever the import system binds there."""
 
-    Importing the submodule ``shardsolve.plan`` binds it as an attribute of the
-    package; the property keeps the name for the function (take the module's
-    names with ``from shardsolve.plan import ...``).
+    def get(package: types.ModuleType) -> Any:
+        return getattr(importlib.import_module(module), name)
+
+    def ignore(package: types.ModuleType, value: Any) -> None:  # the submodule of that name being bound
+        pass
+
+    return property(get, ignore)
+
+
+class _Package(types.ModuleType):
+    """The package's module type: ``shardsolve.plan``, ``compare``, ``lower`` and ``verify`` are functions.
+
+    Importing a submodule binds it as an attribute of the package, and four
+    functions share their name with one (``shardsolve.plan`` the module and
+    ``shardsolve.planner.plan`` the function, ``shardsolve.compare`` and its
+    function ``compare``, ...): these properties keep the names for the
+    functions (take a module's names with ``from shardsolve.plan import ...``).
     """
 
-    @property
-    def plan(self) -> Any:
-        return importlib.import_module("shardsolve.planner").plan
-
-    @plan.setter
-    def plan(self, value: Any) -> None:  # the import system binding the submodule: the function keeps the name
-        pass
+    plan = _function_over_submodule("plan", "shardsolve.planner")
+    compare = _function_over_submodule("compare", "shardsolve.compare")
+    lower = _function_over_submodule("lower", "shardsolve.lower")
+    verify = _function_over_submodule("verify", "shardsolve.verify")
 
 
 sys.modules[__name__].__class__ = _Package

@@ -57,7 +57,7 @@ def main() -> int:
 
         encodings.solve = holding(encodings.solve, marker)
         shardsolve.planner.solve_tied = lambda problem, **options: None  # the held search is the untied one
-    from shardsolve.cli.main import main as shardsolve
+    from shardsolve.cli.dispatch import main as shardsolve
 
     return shardsolve(argv)
 

@@ -1,6 +1,6 @@
 """The ``shardsolve`` command line: ``main`` (the ``shardsolve`` entry point) and one module per command.
 
-``main.py`` parses and dispatches; ``common.py`` holds what the commands share
+``dispatch.py`` parses and dispatches; ``common.py`` holds what the commands share
 (model files and their ``ModelSource``, device set-up, atomic output files);
 ``plan``, ``verify``, ``compare``, ``explain`` and ``iopddl`` are the commands,
 each with its ``add_parser`` and ``run``, and their rich tables.
@@ -25,7 +25,7 @@ _SIGNALS = (signal.SIGINT, signal.SIGTERM)
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``shardsolve`` command on ``argv`` (the program's arguments if None); returns its exit status."""
     with _held_signals() as held:
-        from shardsolve.cli.main import main as run_command
+        from shardsolve.cli.dispatch import main as run_command
     if held:  # a signal while importing: nothing started, nothing written
         print("interrupted: nothing written", file=sys.stderr)
         return 128 + held[0]
@@ -33,8 +33,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def build_parser() -> Any:
-    """The ``shardsolve`` argument parser (``shardsolve.cli.main.build_parser``)."""
-    from shardsolve.cli.main import build_parser as build
+    """The ``shardsolve`` argument parser (``shardsolve.cli.dispatch.build_parser``)."""
+    from shardsolve.cli.dispatch import build_parser as build
 
     return build()
 

@@ -8,7 +8,7 @@ where its model came from in ``Plan.source``, one ``ModelSource``:
     >>> ModelSource.parse("models/mlp.py:mlp --size large --annotations expert").size
     'large'
 
-Bad input raises ``ShardsolveError``; ``cli.main`` prints its one line and
+Bad input raises ``ShardsolveError``; ``cli.dispatch.main`` prints its one line and
 exits with ``EXIT_BAD_INPUT``. Output files are written whole or not at all
 (``files.write_atomically``).
 """
@@ -226,7 +226,7 @@ def keep_interrupted(interrupt: BaseException, result: Any, what: str, path: str
     """Say in one line what an interrupted command leaves: its best complete ``result`` written to ``path``, or nothing.
 
     ``write(path)`` writes the result atomically; ``detail`` describes it
-    (status and gap). Marks ``interrupt`` as reported, so ``cli.main`` adds no line of its own.
+    (status and gap). Marks ``interrupt`` as reported, so ``cli.dispatch.main`` adds no line of its own.
     """
     err = console(stderr=True)
     if result is None:
