@@ -3,8 +3,11 @@
 ::
 
     problem --presolve.reduce--> reduced problem --flat.flatten--> arrays
-    lp_relaxation      moderate sizes: the LP with memory (HiGHS), a certified bound and a guide;
-                       an integral LP whose rounding costs its value is optimal (planner problems, B)
+    lp_relaxation      moderate sizes: first a TRW-S probe (memory relaxed) that reads off an assignment
+                       every 16 passes, optimal where the bound meets it (planner problems, in about a
+                       hundred passes); else the LP with memory (HiGHS) over the entries the probe's
+                       reduced costs leave an assignment cheaper than its own, a certified bound and a
+                       guide; an integral LP whose rounding costs its value is optimal (IOPDDL B)
     solve_tiny         <= 60 decisions: CP-SAT on the whole model, exactly (milliseconds)
     warm_starts        heuristics (least usage, Lagrangian forest DP, repair, ICM); where the LP is
                        skipped (up to 5,000 nodes) TRW-S decodings, repaired; the LP rounded, its
@@ -62,6 +65,11 @@ LP_MAX_NODES = 5000
 LARGE_NODES = 5000
 #: Deterministic charge (seconds) per LP variable.
 LP_CHARGE = 2e-6
+#: TRW-S before the LP (``Portfolio.trws_probe``): at most this many passes and this share of the budget,
+#: an assignment read off every ``PROBE_DECODE_EVERY`` passes.
+PROBE_PASSES = 240
+PROBE_SHARE = 0.5
+PROBE_DECODE_EVERY = 16
 #: Share of the remaining budget for ``search.component_descent`` (sweeps) before the LNS.
 DESCENT_SHARE = 0.6
 #: The descent's share is spent in this many sweeps, each followed by group moves; the LNS in this many chunks.
@@ -220,6 +228,7 @@ class Portfolio:
         self.best_cost = math.inf
         self.guide: np.ndarray | None = None  # the LP relaxation rounded, where it was solved
         self.marginals: list[np.ndarray] | None = None
+        self.probe: tuple | None = None  # (cost, bound, node terms, edge terms) of ``trws_probe``, without a proof
         self.moves: moves.GroupMoves | None = None  # built on first use
         self.quotient_moves: moves.GroupMoves | None = None  # moves on the problem over groups (memory left out)
 
@@ -234,7 +243,7 @@ class Portfolio:
 
     def consider(self, x: np.ndarray | None, cost: float) -> None:
         if x is not None and cost < self.best_cost:
-            self.best_x, self.best_cost = np.asarray(x, dtype=np.int64), cost
+            self.best_x, self.best_cost = np.array(x, dtype=np.int64), cost  # a copy, never a caller's array
             if self.incumbent is not None:
                 self.incumbent["solution"] = lambda x=self.best_x: self.interrupted(x)
 
@@ -315,14 +324,21 @@ class Portfolio:
         flat, stats = self.flat, self.stats
         if not (flat.n <= LP_MAX_NODES and sum(int(np.isfinite(t).sum()) for t in flat.tables) <= bounds.LP_MAX_PAIRS):
             return None
+        done = self.trws_probe()
+        if done is not None:
+            return done
+        pruned = self.pruned_by_probe()
         lp_started = time.perf_counter()
-        lp_value, lp_margin, marginals = bounds.lp_solve(flat, time_limit=max(10.0, 0.5 * self.budget))
+        lp_value, lp_margin, marginals = bounds.lp_solve(pruned or flat, time_limit=max(10.0, 0.5 * self.budget))
         stats["lp_s"] = round(time.perf_counter() - lp_started, 3)
         if lp_value == math.inf:
-            return self.infeasible()
+            # The pruned LP holds the probe's valid assignment: infeasible only by the solver's tolerances.
+            return None if pruned is not None else self.infeasible()
         if math.isfinite(lp_value):
-            stats["lp_bound"] = lp_value - lp_margin + self.offset
-            self.bound = max(self.bound, lp_value - lp_margin)
+            # The pruned LP bounds every assignment cheaper than the probe's, so the least of the two is a bound.
+            lp_bound = lp_value - lp_margin if pruned is None else min(lp_value - lp_margin, self.probe[0])
+            stats["lp_bound"] = lp_bound + self.offset
+            self.bound = max(self.bound, lp_bound)
         if marginals is None:
             return None
         self.marginals = marginals
@@ -337,20 +353,66 @@ class Portfolio:
                 return self.finish(self.reduced.lift(guide), "optimal", self.bound + self.offset)
         return None
 
+    def trws_probe(self) -> Solution | None:
+        """TRW-S before the LP, reading off an assignment every ``PROBE_DECODE_EVERY`` passes.
+
+        On planner problems its bound meets the cost of an assignment it reads
+        off (proving it optimal) in about a hundred passes, a fraction of the
+        LP's time; that ends the solve. Otherwise the best valid assignment is
+        the incumbent, and ``self.probe`` keeps (its cost, the bound, the
+        reparametrised costs) for ``pruned_by_probe``.
+        """
+        flat, stats = self.flat, self.stats
+        per_pass = 1.5 * CHARGE_PER_ITEM * (flat.n + len(flat.tables))
+        passes = int(min(PROBE_PASSES, PROBE_SHARE * self.budget / per_pass))
+        if passes < PROBE_DECODE_EVERY:
+            return None
+        decoded: list = []
+        lb, node_terms, edge_terms = bounds.trws_bound(flat, passes, decoded=decoded, wall_limit=self.wall_left(),
+                                                       decode_every=PROBE_DECODE_EVERY)
+        lb -= 1e-10 * abs(lb)  # floating-point margin of the reparametrised sums (as ``tying.untied_bound``'s)
+        x = decoded[0]
+        cost = evaluate(flat, x)
+        if math.isfinite(cost):
+            x = heuristics.icm(flat, x, sweeps=3)
+            cost = evaluate(flat, x)
+            self.consider(x, cost)
+        self.bound = max(self.bound, lb)
+        stats["probe_bound"] = lb + self.offset
+        stats["probe_cost"] = cost + self.offset if math.isfinite(cost) else None
+        if math.isfinite(self.best_cost) and self.bound >= self.best_cost - 1e-9 * abs(self.best_cost):
+            stats["proof"] = "TRW-S"
+            return self.finish(self.reduced.lift(self.best_x), "optimal", self.bound + self.offset)
+        # No proof, so no early stop: every pass ran (``decode_every`` stops only at a proof).
+        self.budget -= passes * per_pass + 3 * CHARGE_PER_ITEM * (flat.n + len(flat.tables))
+        if math.isfinite(cost):
+            self.probe = (cost, lb, node_terms, edge_terms)
+        return None
+
+    def pruned_by_probe(self) -> Flat | None:
+        """The problem less every entry no assignment cheaper than the probe's can use (None: no probe)."""
+        if self.probe is None:
+            return None
+        cost, lb, node_terms, edge_terms = self.probe
+        return bounds.pruned_above(self.flat, node_terms, edge_terms, (cost - lb) + 1e-7 * abs(cost))
+
     def solve_tiny(self) -> Solution:
-        """Few decisions: the whole model, exactly."""
+        """Few decisions: the whole model, exactly, hinted with the incumbent (else the LP's rounding)."""
         flat, guide = self.flat, self.guide
-        hint = guide if guide is not None and math.isfinite(evaluate(flat, guide)) else None
-        result = cpsat.solve_cpsat(flat, hint=hint, time_limit=self.budget, seed=self.seed, workers=self.threads,
-                                   progress=self.shifted, wall_limit=self.wall_left())
+        if guide is not None:
+            self.consider(guide, evaluate(flat, guide))
+        result = cpsat.solve_cpsat(flat, hint=self.best_x, time_limit=self.budget, seed=self.seed,
+                                   workers=self.threads, progress=self.shifted, wall_limit=self.wall_left())
         self.stats.update(result.stats)
         if result.status == "infeasible":
             return self.infeasible()
-        bound = max(self.bound, result.lower_bound) + self.offset
-        if result.assignment is None:
-            return self.finish(None, "unknown", bound)
+        self.bound = max(self.bound, result.lower_bound)
+        if result.assignment is not None:
+            self.consider(result.assignment, result.cost)
+        if self.best_x is None:
+            return self.finish(None, "unknown", self.bound + self.offset)
         status = "optimal" if result.status == "optimal" else "feasible"
-        return self.finish(self.reduced.lift(result.assignment), status, bound)
+        return self.finish(self.reduced.lift(self.best_x), status, self.bound + self.offset)
 
     def warm_starts(self) -> None:
         """Heuristic starts (up to ``LARGE_NODES``), TRW-S decodings where no LP guides, the LP rounded."""

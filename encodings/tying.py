@@ -78,8 +78,6 @@ DEFAULT_ROUNDS = 2
 MIN_RUN = 4
 #: Candidate periods tried.
 MAX_PERIODS = 8
-#: TRW-S passes on the tied problem before the full solver takes over.
-TIED_PASSES = 60
 #: With a time limit: the tied solve gets this share of it, the untied bound the rest (at most
 #: ``BOUND_SECONDS``), each at least ``MIN_SECONDS``, so that ``solve_tied`` ends within about the
 #: limit (the solver's wall-clock net adds 5% and a second per stage).
@@ -382,30 +380,11 @@ def untied_bound(
 
 
 def solve_tied_problem(problem: Problem, time_limit, seed: int, progress) -> Solution | None:
-    """The tied (merged) problem: exact reductions, then TRW-S decoding, else the full solver.
+    """The tied (merged) problem, solved by ``encodings.solve``; None when it finds no valid assignment.
 
-    Planner problems have a tight LP, so TRW-S usually reaches the tied
-    optimum in a few passes (checked by its own bound: ``optimal`` when they
-    meet); otherwise, or under a memory limit, ``encodings.solve`` searches.
+    Planner problems have a tight LP: the solver's TRW-S probe usually proves
+    the tied optimum before any LP (``Portfolio.trws_probe``).
     """
-    started = time.perf_counter()
-    if problem.usage_limit is None:
-        try:
-            folded = reduce(problem)
-        except InfeasibleError:
-            return None
-        flat = flatten(folded.problem)
-        decoded: list = []
-        bound, _, _ = trws_bound(flat, passes=TIED_PASSES, decoded=decoded)
-        x = icm(flat, decoded[0], sweeps=3) if flat.n else decoded[0]
-        cost = evaluate(flat, x)
-        stats = dict(folded.stats)
-        stats["method"] = "trws"
-        if math.isfinite(cost) and bound >= cost - 1e-9 * abs(cost):
-            stats["wall_s"] = round(time.perf_counter() - started, 3)
-            lifted = folded.lift(x)
-            return Solution(lifted, problem.evaluate(lifted), cost + folded.offset, "optimal",
-                            time.perf_counter() - started, (), stats)
     inner = encodings.solve(problem, time_limit=time_limit, seed=seed, progress=progress)
     if inner.status not in ("optimal", "feasible") or not inner.assignment:
         return None

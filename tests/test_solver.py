@@ -133,6 +133,53 @@ def test_trws_bound_is_exact_on_trees(problem):
     assert bound == pytest.approx(opt, rel=1e-6, abs=1e-6)
 
 
+@FAST
+@given(random_trees())
+def test_trws_reads_off_an_optimal_assignment_on_trees_and_stops_there(problem):
+    """``decode_every``: the assignment read off meets the bound (optimal), and the passes stop once it does."""
+    opt, _ = brute_force(problem)
+    flat = flatten(problem)
+    decoded: list = []
+    bound, _, _ = bounds.trws_bound(flat, passes=400, decoded=decoded, decode_every=4)
+    assert evaluate(flat, decoded[0]) == pytest.approx(opt, rel=1e-9, abs=1e-9)
+    assert bound == pytest.approx(opt, rel=1e-6, abs=1e-6)
+
+
+@FAST
+@given(small_problems(max_nodes=6))
+def test_reduced_cost_pruning_keeps_every_assignment_no_dearer_than_the_reference(problem):
+    """``bounds.pruned_above`` with the slack of a reference assignment (a few TRW-S passes, far from converged)."""
+    import itertools
+
+    flat = flatten(problem)
+    bound, node_terms, edge_terms = bounds.trws_bound(flat, passes=2)
+    every = [np.array(x) for x in itertools.product(*(range(len(c)) for c in flat.costs))]
+    valid = sorted((evaluate(flat, x), k) for k, x in enumerate(every) if math.isfinite(evaluate(flat, x)))
+    assume(valid)
+    reference = valid[len(valid) // 2][0]  # a middling assignment
+    pruned = bounds.pruned_above(flat, node_terms, edge_terms, (reference - bound) + 1e-7 * max(1.0, abs(reference)))
+    for cost, k in valid:
+        if cost <= reference:
+            assert evaluate(pruned, every[k]) == cost  # kept, at its cost
+
+
+@pytest.mark.parametrize("n, seed", [(16, 2), (16, 5)])
+def test_lp_pruned_by_the_probe_still_bounds_the_optimum(n, seed):
+    """Memory-bound grids where TRW-S (memory relaxed) proves nothing: the LP runs over the entries an assignment
+    cheaper than the probe's can use, and its bound must still hold for the whole problem (against CP-SAT's
+    proven optimum)."""
+    problem = _grid_problem(n, seed)
+    sol = solve(problem, time_limit=5)
+    assert math.isfinite(sol.stats["probe_cost"]) and sol.stats.get("proof") != "TRW-S"
+    assert "lp_s" in sol.stats  # the pruned LP ran
+    exact = solve_cpsat(flatten(problem), time_limit=30)
+    assert exact.status == "optimal"
+    assert sol.lower_bound <= exact.cost * (1 + 1e-9)
+    assert sol.cost >= exact.cost * (1 - 1e-9)
+    if sol.status == "optimal":
+        assert sol.cost == pytest.approx(exact.cost, rel=1e-9)
+
+
 @settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(sparse_problems(max_nodes=40))
 def test_trws_warm_start_is_valid_after_repair(problem):
@@ -262,8 +309,9 @@ def test_iopddl_instance_b():
 def test_planner_problem_is_proven_optimal():
     """A JAX MLP training step on data=2,model=4: float costs in seconds, usages in bytes.
 
-    Its LP relaxation is integral: the solver must prove the rounding optimal
-    (not stop at "feasible" with a gap, as the conditional-sum CP-SAT model did).
+    Its LP relaxation is integral: the solver must prove the optimum (not stop
+    at "feasible" with a gap, as the conditional-sum CP-SAT model did), and
+    TRW-S reaches that bound with an assignment it reads off before any LP.
     """
     import os
 
@@ -285,6 +333,7 @@ def test_planner_problem_is_proven_optimal():
     sol = shardsolve.encodings.solve(built.problem, time_limit=10)
     assert sol.status == "optimal", (sol.status, sol.gap, sol.stats)
     assert sol.cost == built.problem.evaluate(sol.assignment)
+    assert sol.stats["proof"] == "TRW-S" and "lp_s" not in sol.stats  # the probe proves it before any LP
 
 
 def _planted_problem(n: int, seed: int, forbidden: float = 0.3) -> tuple[Problem, tuple[int, ...]]:
