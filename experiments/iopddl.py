@@ -132,7 +132,8 @@ def write(rows: list[dict], argv: list[str] | None, load_before: tuple[float, fl
         f" {load_after[0]:.1f} at the end.\n"
         "Time limits are the solver's deterministic work budget; `wall s` is the measured wall clock of\n"
         "`solve` (reading the file excluded). Gap = (cost - lower bound) / cost, with the lower bound\n"
-        "certified (the LP with memory where it fits, from its duals, else TRW-S with memory relaxed). Valid:\n"
+        "certified (TRW-S with memory relaxed; where the LP fits and TRW-S proves nothing, the LP with memory, from\n"
+        "its duals, over the entries TRW-S leaves an assignment cheaper than the one it read off). Valid:\n"
         "the contest's evaluation (`Problem.evaluate`) is finite and the peak usage is within the limit.\n\n"
     )
     footer = "\nFor P the best known cost is XLA's own auto-sharding result (651,833,115,436).\n"
