@@ -64,7 +64,6 @@ import numpy as np
 from shardsolve import encodings
 from shardsolve.encodings.bounds import trws_bound
 from shardsolve.encodings.flat import evaluate, flatten
-from shardsolve.encodings.heuristics import icm
 from shardsolve.encodings.presolve import Reduced, component_labels, reduce
 from shardsolve.errors import InfeasibleError, Interrupted
 from shardsolve.problem import FORBIDDEN, Edge, Node, Problem, Solution
