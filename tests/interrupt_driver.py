@@ -14,6 +14,7 @@ model file writes MARKER itself).
 from __future__ import annotations
 
 import dataclasses
+import signal
 import sys
 import time
 from pathlib import Path
@@ -49,6 +50,10 @@ def holding(real, marker: Path):
 
 
 def main() -> int:
+    # Python's own actions for both signals, as from a terminal: a test run started in the background
+    # (``pytest &``) hands its children SIGINT ignored, which the command would keep.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     mode, marker, argv = sys.argv[1], Path(sys.argv[2]), sys.argv[3:]
     if mode == "tap":
         encodings.solve = tapped(encodings.solve, marker)

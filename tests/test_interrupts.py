@@ -184,7 +184,11 @@ def test_an_error_raised_by_the_interrupt_still_exits_as_interrupted(capsys, mon
             raise ImportError("initialization failed") from e
 
     monkeypatch.setattr(plan_command, "run", broken_import)
-    assert main(["plan", "m.py", "--mesh", MESH]) == 130
+    saved = signal.signal(signal.SIGINT, signal.default_int_handler)  # as from a terminal, even under ``pytest &``
+    try:
+        assert main(["plan", "m.py", "--mesh", MESH]) == 130
+    finally:
+        signal.signal(signal.SIGINT, saved)
     assert capsys.readouterr().err.strip() == "interrupted: nothing written"
 
 
@@ -272,6 +276,7 @@ def test_a_signal_the_process_was_started_ignoring_stays_ignored():
 
 IMPORTING_JAX_SIGNALLED = """
 import builtins, os, signal, sys
+signal.signal(signal.SIGINT, signal.default_int_handler)  # as from a terminal, even under ``pytest &``
 real_import = builtins.__import__
 
 def importing(name, *args, **kwargs):  # the signal comes as the command first imports JAX
