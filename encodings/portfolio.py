@@ -369,7 +369,7 @@ class Portfolio:
         reparametrised costs) for ``pruned_by_probe``.
         """
         flat, stats = self.flat, self.stats
-        per_pass = 1.5 * CHARGE_PER_ITEM * (flat.n + len(flat.tables))
+        per_pass = trws_pass_charge(flat)
         passes = int(min(PROBE_PASSES, PROBE_SHARE * self.budget / per_pass))
         if passes < PROBE_DECODE_EVERY:
             return None
@@ -621,8 +621,13 @@ class Portfolio:
             self.stats[key] = self.stats.get(key, 0) + value if summed else value
 
 
+def trws_pass_charge(flat: Flat) -> float:
+    """Deterministic charge (seconds) of one TRW-S pass: about a sweep over nodes and edges, the table work above it."""
+    return 1.5 * CHARGE_PER_ITEM * (flat.n + len(flat.tables))
+
+
 def trws_passes(flat: Flat, budget: float) -> int:
     """TRW-S passes that fit ``TRWS_SHARE`` (``TRWS_SHARE_LARGE``) of ``budget`` (a pass costs about a sweep over nodes and edges)."""
-    per_pass = 1.5 * CHARGE_PER_ITEM * (flat.n + len(flat.tables))  # the table work: above a plain sweep
+    per_pass = trws_pass_charge(flat)
     share = TRWS_SHARE_LARGE if flat.n > LARGE_NODES else TRWS_SHARE
     return int(max(2, min(TRWS_PASSES, share * budget / per_pass)))

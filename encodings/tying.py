@@ -62,7 +62,7 @@ import numpy as np
 
 # ``solve`` is called through the package so that a stand-in for it (tests/lower_cases.py) also plans tied problems
 from shardsolve import encodings
-from shardsolve.encodings.bounds import trws_bound
+from shardsolve.encodings.bounds import pruned_above, trws_bound
 from shardsolve.encodings.flat import evaluate, flatten
 from shardsolve.encodings.presolve import Reduced, component_labels, reduce
 from shardsolve.errors import InfeasibleError, Interrupted
@@ -334,7 +334,7 @@ def untied_bound(
     2. If it falls short, reduced-cost pruning: the reparametrised costs
        write every assignment's cost as the bound plus non-negative terms, so
        an entry whose term alone exceeds ``upper - bound`` is in no
-       assignment cheaper than ``upper`` and is forbidden. The pruned problem
+       assignment cheaper than ``upper`` and is forbidden (``bounds.pruned_above``). The pruned problem
        (memory kept) is solved; its certified bound, capped at ``upper``,
        bounds the untied optimum. Near the optimum most entries go, so this
        is quick.
@@ -355,16 +355,15 @@ def untied_bound(
     lb -= margin
     if lb >= ub - tol:
         return upper, "trws", None
-    slack = (ub - lb) + 1e-7 * abs(ub)
+    kept = pruned_above(flat, node_terms, edge_terms, (ub - lb) + 1e-7 * abs(ub))  # in the problem's order
     problem = reduced.problem
     nodes = tuple(
-        type(node)(node.name, np.where(t - t.min() > slack, FORBIDDEN, node.costs), node.usages, node.interval,
+        type(node)(node.name, np.where(np.isfinite(c), node.costs, FORBIDDEN), node.usages, node.interval,
                    node.labels)
-        for node, t in zip(problem.nodes, node_terms)
+        for node, c in zip(problem.nodes, kept.costs)
     )
-    edges = tuple(
-        Edge(e.u, e.v, np.where(t - t.min() > slack, FORBIDDEN, e.costs)) for e, t in zip(problem.edges, edge_terms)
-    )
+    edges = tuple(Edge(e.u, e.v, np.where(np.isfinite(t), e.costs, FORBIDDEN))
+                  for e, t in zip(problem.edges, kept.tables))
     pruned = Problem(nodes, edges, problem.usage_limit, problem.pins, problem.name)
     try:
         sol = encodings.solve(pruned, time_limit=time_limit, seed=seed)
