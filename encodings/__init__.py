@@ -26,12 +26,14 @@ On IOPDDL instances B and G the LP relaxation with the memory constraints is
 integral or nearly so: its rounding is optimal and CP-SAT proves it.
 
 Time limits are *deterministic* work budgets in seconds (CP-SAT's
-deterministic time, a fixed charge per model term built, per node and edge
-reduced, and per node and edge visited by a Python pass), so the same
-problem and options give the same assignment byte for byte, as long as the
-budget is spent before a wall-clock safety net of ``WALL_SLACK`` (1.05)
-times the limit plus ``WALL_EXTRA`` (1 s) stops the search (see
-``portfolio.solve``).
+deterministic time, a fixed charge per model term built, per node, edge,
+table entry and dominance comparison of the reductions, per LP variable, and
+per node and edge visited by a Python pass), so the same problem and options
+give the same assignment byte for byte, as long as the budget is spent
+before a wall-clock safety net of ``WALL_SLACK`` (1.05) times the limit plus
+``WALL_EXTRA`` (1 s) stops the search (see ``portfolio.solve``; a caller
+running several solves in one limit, as ``shardsolve.plan`` and tying do,
+hands each what is left of its own net as ``wall_limit``).
 """
 
 from __future__ import annotations

@@ -128,7 +128,7 @@ def dual_bound(flat: Flat, iterations: int = 20) -> float:
 
 def trws_bound(
     flat, passes: int = 60, target: float = math.inf, decoded: list | None = None, *,
-    wall_limit: float | None = None, final_only: bool = False, decode_every: int = 0,
+    wall_limit: float | None = None, final_only: bool = False, decode_every: int = 0, ran: list | None = None,
 ) -> tuple[float, list[np.ndarray], list[np.ndarray]]:
     """A certified lower bound by sequential tree-reweighted message passing (TRW-S), memory relaxed.
 
@@ -162,6 +162,7 @@ def trws_bound(
     passed, the bound is checked and the passes stop (only then does the
     result depend on the machine's speed). The bound carries no
     floating-point margin: callers subtract one relative to their costs.
+    With a list ``ran``, the number of passes run is appended (to charge them).
     """
     started = time.perf_counter()
     n = flat.n
@@ -217,7 +218,9 @@ def trws_bound(
     else:
         best, best_nodes, best_edges = reparametrised(True)
     found, found_cost = None, math.inf  # the cheapest valid assignment read off so far (``decode_every``)
+    done = 0
     for k in range(passes):
+        done = k + 1
         forward = k % 2 == 0
         for i in (range(n) if forward else range(n - 1, -1, -1)):
             send = plan[i][0] if forward else plan[i][1]
@@ -248,6 +251,8 @@ def trws_bound(
                 break
     if decoded is not None:
         decoded.append(found if found is not None else trws_decode(flat, costs, tables, to_u, to_v))
+    if ran is not None:
+        ran.append(done)
     return best, best_nodes, best_edges
 
 

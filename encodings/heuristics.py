@@ -28,6 +28,7 @@ the work.
 from __future__ import annotations
 
 import math
+import time
 
 import numpy as np
 
@@ -205,11 +206,15 @@ def _segment_penalty(flat: Flat, lam: np.ndarray) -> np.ndarray:
     return cum[flat.seg_end] - cum[flat.seg_start]
 
 
-def warm_start(flat: Flat, seed: int = 0, rounds: int = 12, x0: np.ndarray | None = None) -> tuple[np.ndarray, float]:
+def warm_start(flat: Flat, seed: int = 0, rounds: int = 12, x0: np.ndarray | None = None,
+               wall_limit: float | None = None) -> tuple[np.ndarray, float]:
     """A good feasible assignment (or the least-bad one found) and its cost.
 
     ``x0``, when given and feasible, is a start to improve (never made worse).
+    ``rounds`` of Lagrangian forest descent follow the least-usage start, fewer
+    where ``wall_limit`` (seconds from the call) runs out first.
     """
+    started = time.perf_counter()
     rng = np.random.default_rng(seed)
     candidates: list[np.ndarray] = []
     start = least_usage(flat)
@@ -226,6 +231,8 @@ def warm_start(flat: Flat, seed: int = 0, rounds: int = 12, x0: np.ndarray | Non
     cap_scale = float(np.abs(flat.capacity).max()) if horizon else 1.0
     step = 0.5 * scale / max(cap_scale, 1e-300) ** 2  # cost per byte, per byte over
     for r in range(rounds):
+        if wall_limit is not None and time.perf_counter() - started > wall_limit:
+            break
         x = forest_descent(flat, x, _segment_penalty(flat, lam), rng, rounds=3)
         if horizon:
             over = profile(flat, x) - flat.capacity

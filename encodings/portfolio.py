@@ -29,10 +29,16 @@
 Each phase is one method of :class:`Portfolio`, which holds the incumbent,
 the bound and the budget left. Time limits are *deterministic* work budgets
 in seconds (CP-SAT's deterministic time, a fixed charge per model term built,
-per node and edge reduced, per node and edge visited by a Python pass, per
-entry touched by the vectorised moves): every phase charges what it did
-(``stats["phases"]``: wall seconds and work per phase), and the wall clock is
-only a safety net at ``WALL_SLACK * time_limit + WALL_EXTRA`` seconds.
+per node, edge, table entry and dominance comparison of the reductions
+(``presolve.reduce``), per LP variable, per node and edge visited by a Python
+pass, per entry touched by the vectorised moves): every phase charges what it
+did (``stats["phases"]``: wall seconds and work per phase), a phase whose
+charge the budget left cannot cover is skipped (the LP, the Lagrangian rounds
+of the warm start, the whole model, TRW-S, diffusion, the descent), and the
+wall clock is only a safety net at ``WALL_SLACK * time_limit + WALL_EXTRA``
+seconds (or the caller's ``wall_limit``). Only a valid answer comes before
+both: with nothing valid yet, the forbidden-pair repair and CP-SAT's search
+for one run past them.
 """
 
 from __future__ import annotations
@@ -59,12 +65,20 @@ TINY_NODES = 60
 EXACT_NODES = 400
 #: ... and at most this many strategies in all (IOPDDL V, 10k strategies on 294 nodes, gains nothing from it).
 EXACT_STRATEGIES = 5000
+#: ... once a valid start is in hand, only where a tenth of the budget left is at least this many seconds (the
+#: model's CP-SAT deterministic time is charged ``cpsat.NEIGHBOURHOOD_FACTOR`` times over: wall time runs at
+#: about twice it on planner problems).
+WHOLE_MIN = 0.25
 #: The LP relaxation is built up to this many nodes (and ``bounds.LP_MAX_PAIRS`` pair variables).
 LP_MAX_NODES = 5000
 #: Above this many nodes (after reduction) the Python heuristics are skipped.
 LARGE_NODES = 5000
-#: Deterministic charge (seconds) per LP variable.
-LP_CHARGE = 2e-6
+#: Deterministic charge (seconds) per LP variable (node strategy or allowed pair): HiGHS's dual simplex took
+#: 3e-5 to 7e-5 s a variable on planner problems of 9k to 255k variables (twice as long on one run as on
+#: another). The LP runs only where this charge is within ``LP_SHARE`` of the budget left: its bound, and
+#: where it is integral its proof, are what a pruned problem (tying's untied bound) is solved for.
+LP_CHARGE = 6e-5
+LP_SHARE = 0.8
 #: TRW-S before the LP (``Portfolio.trws_probe``): at most this many passes and this share of the budget,
 #: an assignment read off every ``PROBE_DECODE_EVERY`` passes.
 PROBE_PASSES = 240
@@ -87,8 +101,11 @@ MOVE_SHARE = 0.05
 #: nothing valid yet, a valid answer comes first (CP-SAT's feasibility model, the next resort, takes minutes to
 #: build on the large instances).
 FEASIBILITY_WALL = 60.0
-#: Deterministic charge (seconds) per node and per edge of the input, for checking and reducing it.
-REDUCE_CHARGE = 5e-5
+#: ``heuristics.warm_start``: at most this many rounds, within this share of the budget left, a round
+#: charged as this many Python passes over nodes and edges (1 to 5.5 measured on planner problems).
+WARM_ROUNDS = 12
+WARM_SHARE = 0.2
+WARM_ROUND_PASSES = 5
 #: TRW-S warm starts (where no LP guides): further usage penalties are tried while their work is within this
 #: share of the budget left (``search.trws_starts``).
 TRWS_START_SHARE = 0.5
@@ -142,10 +159,14 @@ def solve(
     workers: int | None = None,
     progress: Progress | None = None,
     incumbent: dict | None = None,
+    wall_limit: float | None = None,
 ) -> Solution:
     """Pick one strategy per node, minimising cost under pins and the memory limit.
 
-    ``time_limit``: deterministic work budget in seconds (default 30); ``seed``:
+    ``time_limit``: deterministic work budget in seconds (default 30); ``wall_limit``:
+    the wall-clock safety net in seconds from the call (default
+    ``1.05 * time_limit + 1``; a caller running several solves in one limit
+    passes what is left of its own net); ``seed``:
     the random seed of every randomised step; ``workers``: CP-SAT threads for
     whole-model solves (default 1; results stay deterministic either way);
     ``progress(message, best_cost, lower_bound)`` is called as the search improves.
@@ -180,7 +201,7 @@ def solve(
     except InfeasibleError:
         return infeasible_solution(problem, started, {"reduced": False})
     return Portfolio(problem, reduced, budget, started, seed=seed, workers=workers, progress=progress,
-                     incumbent=incumbent).run()
+                     incumbent=incumbent, wall_limit=wall_limit).run()
 
 
 def infeasible_solution(problem: Problem, started: float, stats: dict) -> Solution:
@@ -211,7 +232,8 @@ class Portfolio:
     """
 
     def __init__(self, problem: Problem, reduced: Reduced, budget: float, started: float, *, seed: int = 0,
-                 workers: int | None = None, progress: Progress | None = None, incumbent: dict | None = None):
+                 workers: int | None = None, progress: Progress | None = None, incumbent: dict | None = None,
+                 wall_limit: float | None = None):
         self.problem = problem
         self.incumbent = incumbent  # "solution": the best so far as an interrupted Solution (see interruptible)
         self.reduced = reduced
@@ -220,10 +242,10 @@ class Portfolio:
         self.threads = 1 if workers is None else max(1, int(workers))
         self.report = progress or _quiet
         self.total_budget = budget
-        self.wall_limit = WALL_SLACK * budget + WALL_EXTRA
+        self.wall_limit = WALL_SLACK * budget + WALL_EXTRA if wall_limit is None else max(0.0, float(wall_limit))
         self.stats: dict = dict(reduced.stats)
         self.stats["reduce_s"] = round(time.perf_counter() - started, 3)
-        self.budget = budget - REDUCE_CHARGE * (len(problem.nodes) + len(problem.edges))
+        self.budget = budget - reduced.stats.get("reduce_deterministic_s", 0.0)  # checking and reducing the input
         self.offset = reduced.offset
         self.flat: Flat = flatten(reduced.problem)
         self.decision = sum(1 for c in self.flat.costs if len(c) > 1)
@@ -274,6 +296,7 @@ class Portfolio:
         if status == "optimal":
             bound = cost
         stats["wall_s"] = round(time.perf_counter() - started, 3)
+        stats["budget_left_s"] = round(max(0.0, self.budget), 6)  # deterministic: a caller may hand it on
         return Solution(tuple(int(s) for s in assignment), cost, bound, status, time.perf_counter() - started, (),
                         stats)
 
@@ -334,9 +357,15 @@ class Portfolio:
             if done is not None:
                 return done
         pruned = self.pruned_by_probe()
+        target = pruned or flat
+        charge = LP_CHARGE * (sum(len(c) for c in target.costs) + sum(int(np.isfinite(t).sum()) for t in target.tables))
+        if charge > LP_SHARE * self.budget:  # deterministic: the size decides, never the clock
+            stats["lp_skipped_charge_s"] = round(charge, 3)
+            return None
         lp_started = time.perf_counter()
-        lp_value, lp_margin, marginals = bounds.lp_solve(pruned or flat, time_limit=max(10.0, 0.5 * self.budget))
+        lp_value, lp_margin, marginals = bounds.lp_solve(target, time_limit=max(0.1, self.wall_left()))
         stats["lp_s"] = round(time.perf_counter() - lp_started, 3)
+        self.budget -= charge
         if lp_value == math.inf:
             # The pruned LP holds the probe's valid assignment: infeasible only by the solver's tolerances.
             return None if pruned is not None else self.infeasible()
@@ -349,7 +378,6 @@ class Portfolio:
             return None
         self.marginals = marginals
         self.guide = guide = np.array([int(np.argmax(m)) for m in marginals], dtype=np.int64)
-        self.budget -= LP_CHARGE * sum(len(c) for c in flat.costs) + LP_CHARGE * sum(t.size for t in flat.tables)
         integral = all(float(np.max(m)) >= 1.0 - 1e-6 for m in marginals)
         if integral:
             c_guide = evaluate(flat, guide)
@@ -374,8 +402,10 @@ class Portfolio:
         if passes < PROBE_DECODE_EVERY:
             return None
         decoded: list = []
+        ran: list = []
         lb, node_terms, edge_terms = bounds.trws_bound(flat, passes, decoded=decoded, wall_limit=self.wall_left(),
-                                                       decode_every=PROBE_DECODE_EVERY)
+                                                       decode_every=PROBE_DECODE_EVERY, ran=ran)
+        self.budget -= ran[0] * per_pass + 3 * CHARGE_PER_ITEM * (flat.n + len(flat.tables))
         lb -= 1e-10 * abs(lb)  # floating-point margin of the reparametrised sums (as ``tying.untied_bound``'s)
         x = decoded[0]
         cost = evaluate(flat, x)
@@ -389,8 +419,6 @@ class Portfolio:
         if math.isfinite(self.best_cost) and self.bound >= self.best_cost - 1e-9 * abs(self.best_cost):
             stats["proof"] = "TRW-S"
             return self.finish(self.reduced.lift(self.best_x), "optimal", self.bound + self.offset)
-        # No proof, so no early stop: every pass ran (``decode_every`` stops only at a proof).
-        self.budget -= passes * per_pass + 3 * CHARGE_PER_ITEM * (flat.n + len(flat.tables))
         if math.isfinite(cost):
             self.probe = (cost, lb, node_terms, edge_terms)
         return None
@@ -407,8 +435,10 @@ class Portfolio:
         flat, guide = self.flat, self.guide
         if guide is not None:
             self.consider(guide, evaluate(flat, guide))
-        result = cpsat.solve_cpsat(flat, hint=self.best_x, time_limit=self.budget, seed=self.seed,
-                                   workers=self.threads, progress=self.shifted, wall_limit=self.wall_left())
+        found = self.best_x is not None  # else a valid answer first, past the budget and the net if need be
+        result = cpsat.solve_cpsat(flat, hint=self.best_x, time_limit=self.budget if found else max(self.budget, 0.5),
+                                   seed=self.seed, workers=self.threads, progress=self.shifted,
+                                   wall_limit=self.wall_left() if found else max(self.wall_left(), FEASIBILITY_WALL))
         self.stats.update(result.stats)
         if result.status == "infeasible":
             return self.infeasible()
@@ -424,7 +454,10 @@ class Portfolio:
         """Heuristic starts (up to ``LARGE_NODES``), TRW-S decodings where no LP guides, the LP rounded."""
         flat, stats = self.flat, self.stats
         if flat.n <= LARGE_NODES:
-            x0, c0 = heuristics.warm_start(flat, seed=self.seed)
+            per_round = WARM_ROUND_PASSES * CHARGE_PER_ITEM * (flat.n + len(flat.tables))
+            rounds = int(min(WARM_ROUNDS, max(0.0, WARM_SHARE * self.budget) // per_round))
+            x0, c0 = heuristics.warm_start(flat, seed=self.seed, rounds=rounds, wall_limit=self.wall_left())
+            self.budget -= (rounds + 2) * per_round
             self.consider(x0, c0)
             stats["warm_start_cost"] = c0 + self.offset if math.isfinite(c0) else None
             if self.guide is None:
@@ -498,18 +531,21 @@ class Portfolio:
         return None
 
     def solve_whole(self) -> Solution | None:
-        """Medium sizes (or nothing valid yet): the whole model, hinted, for a share of the budget."""
+        """Medium sizes (or nothing valid yet): the whole model, hinted, for a share of the budget (``WHOLE_MIN``)."""
         flat = self.flat
         strategies = sum(len(c) for c in flat.costs)
         medium = self.decision <= EXACT_NODES and strategies <= EXACT_STRATEGIES
         if not (medium or (self.best_x is None and flat.n <= LARGE_NODES)):
             return None
         found = self.best_x is not None
-        share = max(1.0, 0.1 * self.budget) if found else max(1.0, 0.5 * self.budget)
-        result = cpsat.solve_cpsat(flat, hint=self.best_x, time_limit=share, seed=self.seed, workers=self.threads,
-                                   progress=self.shifted, wall_limit=self.wall_left())
+        share = 0.1 * self.budget if found else max(1.0, 0.5 * self.budget)
+        if found and share < WHOLE_MIN:  # a start is in hand and the budget has no room for the model
+            return None
+        result = cpsat.solve_cpsat(flat, hint=self.best_x, time_limit=share / cpsat.NEIGHBOURHOOD_FACTOR,
+                                   seed=self.seed, workers=self.threads, progress=self.shifted,
+                                   wall_limit=self.wall_left())
         self.stats.update(result.stats)
-        self.budget -= result.stats.get("cpsat_deterministic_s", 0.0) + cpsat.CHARGE_PER_STEP
+        self.budget -= cpsat.NEIGHBOURHOOD_FACTOR * result.stats.get("cpsat_deterministic_s", 0.0) + cpsat.CHARGE_PER_STEP
         self.bound = max(self.bound, result.lower_bound)
         if result.status == "infeasible":
             return self.infeasible()
@@ -521,6 +557,8 @@ class Portfolio:
     def certify(self) -> None:
         """Where the LP was too big: TRW-S (memory relaxed), and min-sum diffusion where cheap; the larger."""
         flat, stats = self.flat, self.stats
+        if self.budget < 2 * trws_pass_charge(flat):  # not even two passes left: the trivial bound stands
+            return
         passes = trws_passes(flat, min(self.total_budget, 2.0 * max(0.0, self.budget)))
         trws_started = time.perf_counter()
         value, _, _ = bounds.trws_bound(flat, passes=passes, wall_limit=0.5 * self.wall_left(), final_only=True)
@@ -530,9 +568,10 @@ class Portfolio:
         stats["trws_bound"] = value + self.offset
         self.bound = max(self.bound, value)
         self.budget -= (passes + 3) * CHARGE_PER_ITEM * (flat.n + len(flat.tables))
-        if flat.n <= LARGE_NODES and self.budget > 0:  # min-sum diffusion, where the budget has room for it
+        diffusion = 100 * CHARGE_PER_ITEM * (flat.n + len(flat.tables))  # 50 sweeps of about 1.5 passes each
+        if flat.n <= LARGE_NODES and self.budget > diffusion:  # min-sum diffusion, where the budget has room for it
             self.bound = max(self.bound, bounds.dual_bound(flat, iterations=50))
-            self.budget -= 100 * CHARGE_PER_ITEM * (flat.n + len(flat.tables))
+            self.budget -= diffusion
 
     def group_moves(self) -> None:
         """Rounds of vectorised group moves (``moves.GroupMoves``: nodes and small components) from the incumbent.
@@ -585,6 +624,8 @@ class Portfolio:
         self.group_moves()
         if self.decision > EXACT_NODES:
             for _ in range(DESCENT_SWEEPS):
+                if self.budget <= 0 or self.wall_left() <= 0:
+                    break
                 wall = time.perf_counter()
                 x, cost, used, descent_stats = search.component_descent(
                     flat, self.best_x, budget=DESCENT_SHARE / DESCENT_SWEEPS * max(0.0, self.budget), seed=self.seed,
@@ -622,8 +663,9 @@ class Portfolio:
 
 
 def trws_pass_charge(flat: Flat) -> float:
-    """Deterministic charge (seconds) of one TRW-S pass: about a sweep over nodes and edges, the table work above it."""
-    return 1.5 * CHARGE_PER_ITEM * (flat.n + len(flat.tables))
+    """Deterministic charge (seconds) of one TRW-S pass: about a sweep over nodes and edges, the table work above it
+    (measured 0.65 to 1.25 times this on planner problems)."""
+    return 1.25 * CHARGE_PER_ITEM * (flat.n + len(flat.tables))
 
 
 def trws_passes(flat: Flat, budget: float) -> int:

@@ -434,7 +434,7 @@ def trws_starts(flat: Flat, reference: float, seed: int, wall_limit: float | Non
     (``heuristics.repair`` on the softened problem), then ICM on the softened
     problem, then ``repair_forbidden`` for the forbidden pairs left.
     ``wall_limit``: the caller's wall-clock net, in seconds from now.
-    ``budget``: deterministic work, after which no further penalty is tried
+    ``budget``: deterministic work, within which each further penalty is tried
     once some start is valid (``reference`` finite, or a decoding's cost); the
     penalties go from none upwards, so a tight budget keeps the cheap ones.
     """
@@ -448,11 +448,12 @@ def trws_starts(flat: Flat, reference: float, seed: int, wall_limit: float | Non
     usages = [np.asarray(u, dtype=np.float64) for u in flat.usages]
     best_x, best_cost, spent = None, math.inf, 0.0
     items = flat.n + len(flat.tables)
+    decoding = (1.5 * TRWS_START_PASSES + 5) * CHARGE_PER_ITEM * items  # the passes, the repairs and ICM
     for k, mu in enumerate(TRWS_PENALTIES):
         if mu and not len(flat.capacity):
             break
-        if k and (valid or math.isfinite(best_cost)) and (
-                (budget is not None and spent >= budget) or _left(started, wall_limit) == 0.0):
+        if (valid or math.isfinite(best_cost)) and (
+                (budget is not None and spent + decoding > budget) or _left(started, wall_limit) == 0.0):
             break
         per_byte = mu * scale / max(cap, 1e-300)
         penalised = dataclasses.replace(flat, costs=tuple(c + per_byte * u for c, u in zip(flat.costs, usages)))
@@ -460,7 +461,7 @@ def trws_starts(flat: Flat, reference: float, seed: int, wall_limit: float | Non
         bounds.trws_bound(penalised, passes=TRWS_START_PASSES, decoded=decoded)
         x = icm(soft, repair(soft, decoded[0]), sweeps=3)
         x, used, _ = repair_forbidden(flat, x, budget=1.0, seed=seed + k, wall_limit=_left(started, wall_limit))
-        spent += used + (1.5 * TRWS_START_PASSES + 5) * CHARGE_PER_ITEM * items
+        spent += used + decoding
         cost = evaluate(flat, x)
         if cost < best_cost:
             best_x, best_cost = x, cost

@@ -62,9 +62,11 @@ import numpy as np
 
 # ``solve`` is called through the package so that a stand-in for it (tests/lower_cases.py) also plans tied problems
 from shardsolve import encodings
+from shardsolve.encodings import portfolio
 from shardsolve.encodings.bounds import pruned_above, trws_bound
 from shardsolve.encodings.flat import evaluate, flatten
-from shardsolve.encodings.presolve import Reduced, component_labels, reduce
+from shardsolve.encodings.portfolio import trws_pass_charge
+from shardsolve.encodings.presolve import ENTRY_CHARGE, Reduced, component_labels, reduce
 from shardsolve.errors import InfeasibleError, Interrupted
 from shardsolve.problem import FORBIDDEN, Edge, Node, Problem, Solution
 
@@ -77,12 +79,14 @@ DEFAULT_ROUNDS = 2
 MIN_RUN = 4
 #: Candidate periods tried.
 MAX_PERIODS = 8
-#: With a time limit: the tied solve gets this share of it, the untied bound the rest (at most
-#: ``BOUND_SECONDS``), each at least ``MIN_SECONDS``, so that ``solve_tied`` ends within about the
-#: limit (the solver's wall-clock net adds 5% and a second per stage).
+#: With a time limit: the tied solve gets this share of it, the untied bound the rest (without a limit,
+#: ``BOUND_SECONDS``) and what the tied solve left of its share, each at least ``MIN_SECONDS``, so that
+#: ``solve_tied`` ends within about the limit (the solver's wall-clock net adds 5% and a second).
 TIED_SHARE = 0.7
 BOUND_SECONDS = 10.0
 MIN_SECONDS = 0.5
+#: The untied bound's TRW-S passes take at most this share of its time (and of its wall-clock net).
+BOUND_PASS_SHARE = 0.8
 #: Classes smaller than this are not worth an edge.
 MIN_CLASS = 2
 
@@ -325,7 +329,8 @@ def merge(problem: Problem, pairs: Sequence[tuple[int, int, np.ndarray]]) -> tup
 
 
 def untied_bound(
-    reduced: Reduced, upper: float, *, passes: int = 60, time_limit: float = 10.0, seed: int = 0
+    reduced: Reduced, upper: float, *, passes: int = 60, time_limit: float = 10.0, seed: int = 0,
+    wall_limit: float | None = None,
 ) -> tuple[float, str, tuple[int, ...] | None]:
     """A certified lower bound of the untied problem, given the cost ``upper`` of one of its assignments.
 
@@ -339,22 +344,39 @@ def untied_bound(
        bounds the untied optimum. Near the optimum most entries go, so this
        is quick.
 
+    ``time_limit`` covers both: the passes are at most ``BOUND_PASS_SHARE`` of
+    it (``portfolio.trws_pass_charge`` a pass), the pruned solve gets the
+    rest, where that covers reducing its tables (``presolve.ENTRY_CHARGE`` an
+    entry; else the TRW-S bound is returned). ``wall_limit``: the wall-clock net in seconds from the call, shared
+    the same way (default the solver's, ``1.05 * time_limit + 1``); where the passes spend it,
+    the TRW-S bound is returned as it stands.
+
     Returns (bound, how, better): how is ``"trws"`` or ``"trws+pruned"``;
     ``better`` is an assignment of the reduced problem cheaper than ``upper``
     that the pruned search found (an untied plan that beats the tied one), or
     None.
     """
+    started = time.perf_counter()
     flat = flatten(reduced.problem)
     offset = reduced.offset
     if flat.n == 0:
         return offset, "trws", None
+    wall = portfolio.WALL_SLACK * time_limit + portfolio.WALL_EXTRA if wall_limit is None else wall_limit
+    per_pass = trws_pass_charge(flat)
+    passes = int(max(2, min(passes, BOUND_PASS_SHARE * time_limit / per_pass)))
     ub = upper - offset
     tol = 1e-9 * max(abs(ub), 1e-300)  # "meets": as ``encodings.solve`` calls a bound optimal
     margin = 1e-10 * max(abs(ub), 1e-300)  # floating-point error of the reparametrised sums
-    lb, node_terms, edge_terms = trws_bound(flat, passes, target=ub - tol + margin)
+    ran: list = []
+    lb, node_terms, edge_terms = trws_bound(flat, passes, target=ub - tol + margin,
+                                            wall_limit=BOUND_PASS_SHARE * wall, ran=ran)
     lb -= margin
     if lb >= ub - tol:
         return upper, "trws", None
+    wall_left = wall - (time.perf_counter() - started)
+    left = time_limit - ran[0] * per_pass
+    if wall_left <= 0 or left < ENTRY_CHARGE * sum(t.size for t in flat.tables):
+        return lb + offset, "trws", None  # no time left, or less than reducing the pruned problem's tables costs
     kept = pruned_above(flat, node_terms, edge_terms, (ub - lb) + 1e-7 * abs(ub))  # in the problem's order
     problem = reduced.problem
     nodes = tuple(
@@ -366,7 +388,7 @@ def untied_bound(
                   for e, t in zip(problem.edges, kept.tables))
     pruned = Problem(nodes, edges, problem.usage_limit, problem.pins, problem.name)
     try:
-        sol = encodings.solve(pruned, time_limit=time_limit, seed=seed)
+        sol = encodings.solve(pruned, time_limit=left, seed=seed, wall_limit=wall_left)
     except InfeasibleError:
         return upper, "trws+pruned", None  # no assignment is cheaper than ``upper``
     if sol.status == "infeasible":
@@ -377,13 +399,14 @@ def untied_bound(
     return min(upper, max(lb, sol.lower_bound) + offset), "trws+pruned", better
 
 
-def solve_tied_problem(problem: Problem, time_limit, seed: int, progress) -> Solution | None:
+def solve_tied_problem(problem: Problem, time_limit, seed: int, progress,
+                       wall_limit: float | None = None) -> Solution | None:
     """The tied (merged) problem, solved by ``encodings.solve``; None when it finds no valid assignment.
 
     Planner problems have a tight LP: the solver's TRW-S probe usually proves
     the tied optimum before any LP (``Portfolio.trws_probe``).
     """
-    inner = encodings.solve(problem, time_limit=time_limit, seed=seed, progress=progress)
+    inner = encodings.solve(problem, time_limit=time_limit, seed=seed, progress=progress, wall_limit=wall_limit)
     if inner.status not in ("optimal", "feasible") or not inner.assignment:
         return None
     return inner
@@ -414,6 +437,7 @@ def solve_tied(
     seed: int = 0,
     progress=None,
     rounds: int = DEFAULT_ROUNDS,
+    wall_limit: float | None = None,
 ) -> Solution | None:
     """Solve ``problem`` with its repeated layers tied; ``None`` when there is nothing to tie.
 
@@ -430,8 +454,18 @@ def solve_tied(
     certified one.
     ``None`` also when the tied problem has no solution (say a memory limit
     that only an untied plan meets): the caller then solves untied.
+    ``wall_limit``: the wall-clock net of both solves, in seconds from the call
+    (default: each solve's own); the tied solve's net is ``TIED_SHARE`` of it.
     """
     started = time.perf_counter()
+    deadline = None if wall_limit is None else started + wall_limit
+
+    def wall(part: float) -> float | None:
+        """The net left, less what the later solves keep (``1 - part`` of the whole); None without one."""
+        if deadline is None:
+            return None
+        return max(0.0, deadline - time.perf_counter() - (1.0 - part) * wall_limit)
+
     classes = layer_classes(problem, rounds)
     if not classes:
         return None
@@ -444,9 +478,12 @@ def solve_tied(
     tied = tie(reduced, classes)
     if tied.tied_nodes == 0:
         return None
+    reduce_work = reduced.stats.get("reduce_deterministic_s", 0.0)
+
     def share(part: float) -> float | None:
-        """``part`` of ``time_limit`` (a fixed split keeps the run deterministic); None without a limit."""
-        return None if time_limit is None else max(MIN_SECONDS, part * float(time_limit))
+        """``part`` of ``time_limit`` less the reduction's work (a fixed split keeps the run deterministic); None
+        without a limit."""
+        return None if time_limit is None else max(MIN_SECONDS, part * (float(time_limit) - reduce_work))
 
     if problem.usage_limit is None:  # fold the ties directly (the solver's reductions would, more slowly)
         merged, lift_merged = merge(reduced.problem, tied.pairs)
@@ -458,7 +495,7 @@ def solve_tied(
     else:  # memory differs between layers: keep the tie edges, the solver folds what memory allows
         lift, inner_problem = reduced.lift, tied.problem
     try:
-        inner = solve_tied_problem(inner_problem, share(TIED_SHARE), seed, progress)
+        inner = solve_tied_problem(inner_problem, share(TIED_SHARE), seed, progress, wall(TIED_SHARE))
     except KeyboardInterrupt as interrupt:  # the tied search's best (``Interrupted``), as one of the untied problem
         best = getattr(interrupt, "solution", None)
         raise _interrupted(problem, lift(best.assignment) if best is not None and best.assignment else None,
@@ -472,8 +509,10 @@ def solve_tied(
     tied_cost = cost
     bound_started = time.perf_counter()
     try:
-        bound, how, better = untied_bound(reduced, cost, seed=seed, time_limit=BOUND_SECONDS if time_limit is None
-                                          else min(BOUND_SECONDS, share(1.0 - TIED_SHARE)))
+        # the bound's share, and what the tied solve left of its own (deterministic work, not the clock)
+        left = float((inner.stats or {}).get("budget_left_s", 0.0))
+        own = BOUND_SECONDS if time_limit is None else share(1.0 - TIED_SHARE)
+        bound, how, better = untied_bound(reduced, cost, seed=seed, time_limit=own + left, wall_limit=wall(1.0))
     except KeyboardInterrupt:  # the tied plan is complete: it is the best so far
         raise _interrupted(problem, assignment, started) from None
     improved = False

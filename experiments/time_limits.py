@@ -74,6 +74,7 @@ def plan_case(spec: str, size: str, mesh: str, *, tie: bool = True, memory_fract
             try:
                 plan = shardsolve.plan(model.fun, *model.args, time_limit=limit, **kwargs)
                 status = plan.status + (f" {plan.gap:.1%}" if plan.status == "feasible" else "")
+                status += f", {plan.cost.total * 1e3:.4g} ms"
                 rounds = dict(plan.stats).get("memory_rounds")
                 if rounds:
                     status += f", {rounds} memory rounds"
@@ -93,7 +94,7 @@ def iopddl_case(name: str):
         started = time.perf_counter()
         solution = solve(problem, time_limit=limit)
         seconds = time.perf_counter() - started
-        return f"{solution.status} {solution.gap:.1%}", seconds, 1, seconds
+        return f"{solution.status} {solution.gap:.1%}, cost {solution.cost:.4g}", seconds, 1, seconds
 
     return run
 

@@ -12,6 +12,7 @@ layer tying from ``encodings.tying`` where the program repeats itself), then
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import gc
 import math
@@ -25,6 +26,7 @@ import numpy as np
 import shardsolve.encodings as encodings
 from shardsolve.annotations import argument_pins, carry_pairs, output_pins
 from shardsolve.build import BuildOptions, Built, build_problem, tie_axes
+from shardsolve.encodings import portfolio
 from shardsolve.encodings.tying import solve_tied
 from shardsolve.errors import InfeasibleError, Interrupted, ShardsolveError
 from shardsolve.flax import logical_names
@@ -143,7 +145,8 @@ def plan(
     outputs with ``PartitionSpec`` (pinned) or ``None`` (free) leaves.
     ``memory_limit`` is bytes per device (or a string like ``"16GiB"``),
     ``time_limit`` the solver's seconds, for all of this call's solves
-    together (see ``FIRST_SOLVE_SHARE``). ``carry`` lists (argument index,
+    together (see ``FIRST_SOLVE_SHARE``): a deterministic work budget, with a
+    wall-clock net of 1.05 times it plus 1 s of solving (``SolvingNet``). ``carry`` lists (argument index,
     output index) pairs whose leaves must share shardings: the output is the
     next value of the argument, as a training step's parameters are.
     ``progress`` receives one-line status messages.
@@ -187,11 +190,22 @@ def plan(
     of it, each later one a tenth. ``"model"`` trusts the cost model's
     estimate. Without enough devices for the mesh the model is trusted.
     """
+    if time_limit is not None and not time_limit > 0:
+        raise ShardsolveError(f"time_limit {time_limit!r} must be a positive number of seconds")
+    token = _NET.set(None if time_limit is None else SolvingNet(float(time_limit)))
+    try:
+        return _plan(fun, args, mesh, in_shardings, out_shardings, memory_limit, time_limit, carry, seed, progress,
+                     source, tie, expand_scans, uneven, memory_check, logical_rules)
+    finally:
+        _NET.reset(token)
+
+
+def _plan(fun, args, mesh, in_shardings, out_shardings, memory_limit, time_limit, carry, seed, progress, source, tie,
+          expand_scans, uneven, memory_check, logical_rules) -> Plan:
+    """``plan``'s body, inside the call's ``SolvingNet``."""
     say = progress or (lambda message: None)
     mesh_spec = as_mesh_spec(mesh)
     limit = parse_memory_limit(memory_limit)
-    if time_limit is not None and not time_limit > 0:
-        raise ShardsolveError(f"time_limit {time_limit!r} must be a positive number of seconds")
     options = BuildOptions(expand_scans=expand_scans, uneven=uneven)
     graph, built = _traced_problem(fun, args, mesh_spec, in_shardings, out_shardings, limit, carry, options, say)
     if memory_check not in MEMORY_CHECKS:
@@ -257,6 +271,37 @@ MEMORY_ROUNDS = 4  # solves at most, the first included
 FIRST_SOLVE_SHARE = 0.5
 LOGICAL_FREE_SHARE = 0.3
 OPTIMISM = 0.005  # how much optimistic pricing of merged collectives may cost a plan before the plain problem is solved
+#: ... and the optimistic solve's share of the time limit where the plain one may follow (it starts from a
+#: problem whose layers prove alike, and usually ends in a fraction of a second).
+OPTIMISTIC_SHARE = 0.7
+
+
+class SolvingNet:
+    """The wall-clock net of one ``plan`` call's solves: ``WALL_SLACK * time_limit + WALL_EXTRA`` seconds of
+    solving in all, the solver's margins (``encodings.portfolio``); tracing, building and compiling between
+    the solves do not count.
+
+    ``time_limit`` stays a deterministic work budget, split in fixed shares; the net
+    only stops a solve that overruns its share on a loaded machine, as each solve's
+    own net does (``encodings.solve``'s ``wall_limit``). A solve's net is the least of
+    what is left of the call's and its own (``WALL_SLACK`` times its share plus ``WALL_EXTRA``).
+    """
+
+    def __init__(self, time_limit: float):
+        self.total = portfolio.WALL_SLACK * time_limit + portfolio.WALL_EXTRA
+        self.spent = 0.0
+
+    def left(self) -> float:
+        return max(0.0, self.total - self.spent)
+
+    def for_solve(self, share: float | None) -> float:
+        """The net of one solve with work budget ``share`` (None: the solver's default)."""
+        own = portfolio.WALL_SLACK * (encodings.DEFAULT_TIME_LIMIT if share is None else share) + portfolio.WALL_EXTRA
+        return min(own, self.left())
+
+
+#: The net of ``plan``'s solves (``SolvingNet``); None outside ``plan`` or without a time limit.
+_NET: contextvars.ContextVar[SolvingNet | None] = contextvars.ContextVar("shardsolve_solving_net", default=None)
 
 
 def _share(time_limit: float | None, part: float) -> float | None:
@@ -335,6 +380,9 @@ def _within_compiled_memory(graph: Graph, built: Built, solution, mesh: MeshSpec
                     hi = min(hi, internal, plan.cost.peak_memory)
             if rounds >= MEMORY_ROUNDS or (best is not None and hi <= lo * 1.05):
                 break
+            net = _NET.get()
+            if best is not None and net is not None and net.left() <= 0:  # the time limit is spent: keep what fits
+                break
             if math.isinf(hi):  # fits at the limit itself: nothing looser to try
                 break
             internal = hi - (compiled - limit) if best is None and rounds == 1 and solved else (lo + hi) / 2
@@ -399,9 +447,9 @@ def _solve(built: Built, time_limit: float | None, seed: int, tie: bool, say: Ca
     (``Built.plain_edges``, see ``build.share_merged_latency``) and ``price``
     (a solution's step time as the plan counts it) says the optimism cost more
     than ``OPTIMISM`` of it, the problem with every latency paid is solved too,
-    and the faster plan kept. Such a problem's solves get half of
-    ``time_limit`` each, the first whether or not the second runs (so the plan
-    does not depend on the clock). Under a memory limit only the plain problem
+    and the faster plan kept. Such a problem's solves get ``OPTIMISTIC_SHARE``
+    of ``time_limit`` and the rest, the first whether or not the second runs (so
+    the plan does not depend on the clock). Under a memory limit only the plain problem
     is solved, with the whole limit.
     """
     if built.plain_edges is not None and built.problem.usage_limit is not None:
@@ -410,8 +458,8 @@ def _solve(built: Built, time_limit: float | None, seed: int, tie: bool, say: Ca
         return search_once(built.plain(), time_limit, seed, tie, say)
     if price is None or built.plain_edges is None:
         return search_once(built, time_limit, seed, tie, say)
-    half = None if time_limit is None else time_limit / 2
-    solution = search_once(built, half, seed, tie, say)
+    first, second = _share(time_limit, OPTIMISTIC_SHARE), _share(time_limit, 1 - OPTIMISTIC_SHARE)
+    solution = search_once(built, first, seed, tie, say)
     if not _found(solution):
         return solution
     exact = price(solution)
@@ -423,7 +471,7 @@ def _solve(built: Built, time_limit: float | None, seed: int, tie: bool, say: Ca
         say(f"merged collectives priced optimistically cost the plan {optimism:.1%}: solving with every latency "
             "paid too")
     try:
-        plain = search_once(built.plain(), half, seed, tie, say)
+        plain = search_once(built.plain(), second, seed, tie, say)
     except KeyboardInterrupt as interrupt:  # the first solve's plan is complete; keep the better of the two
         interrupt = _as_interrupted(interrupt)
         if interrupt.solution is None or not price(interrupt.solution) < exact:
@@ -449,16 +497,24 @@ def search_once(built: Built, time_limit: float | None, seed: int, tie: bool, sa
     """The solver's ``Solution``: tied where the program repeats itself (``tie``), else searched untied."""
     solver_progress = _solver_progress(say) if say else None
     solution, started = None, time.perf_counter()
-    if tie:
-        solution = solve_tied(built.problem, time_limit=time_limit, seed=seed, progress=solver_progress)
-        if solution is not None and say:
-            st = solution.stats
-            say(f"tied {st['tied_nodes']} nodes in {st['tie_classes']} classes of repeated layers: "
-                f"{st['tying']} ({st['tie_bound']} bound of the untied problem)")
-    if solution is None:  # untied, in the time tying left (all of it when tying returned at once: deterministic)
-        spent = time.perf_counter() - started
-        left = time_limit if time_limit is None or spent < 0.25 * time_limit else max(0.5, time_limit - spent)
-        solution = encodings.solve(built.problem, time_limit=left, seed=seed, progress=solver_progress)
+    net = _NET.get()
+    wall = None if net is None else net.for_solve(time_limit)
+    try:
+        if tie:
+            solution = solve_tied(built.problem, time_limit=time_limit, seed=seed, progress=solver_progress,
+                                  wall_limit=wall)
+            if solution is not None and say:
+                st = solution.stats
+                say(f"tied {st['tied_nodes']} nodes in {st['tie_classes']} classes of repeated layers: "
+                    f"{st['tying']} ({st['tie_bound']} bound of the untied problem)")
+        if solution is None:  # untied, in the time tying left (all of it when tying returned at once: deterministic)
+            spent = time.perf_counter() - started
+            left = time_limit if time_limit is None or spent < 0.25 * time_limit else max(0.5, time_limit - spent)
+            solution = encodings.solve(built.problem, time_limit=left, seed=seed, progress=solver_progress,
+                                       wall_limit=None if wall is None else max(0.0, wall - spent))
+    finally:
+        if net is not None:
+            net.spent += time.perf_counter() - started
     return solution
 
 

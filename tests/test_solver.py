@@ -569,3 +569,27 @@ def test_component_descent_keeps_validity_and_never_worsens():
     assert cost == evaluate(flat, x) == problem.evaluate(tuple(int(s) for s in x))
     assert stats["descent_steps"] > 0
     assert np.array_equal(runs[0][0], runs[1][0]) and runs[0][1] == runs[1][1]  # deterministic
+
+
+def test_the_lp_runs_only_where_its_charge_fits_the_budget(monkeypatch):
+    """The LP's charge (per variable) decides whether it runs, never the clock; either way the answer is valid."""
+    monkeypatch.setattr(portfolio, "PROBE_MIN_DENSITY", 2.0)  # no TRW-S probe: the LP is next
+    problem = _grid_problem(120, seed=2)
+    ran = solve(problem, time_limit=30.0, seed=0)
+    assert "lp_s" in ran.stats and "lp_skipped_charge_s" not in ran.stats
+    monkeypatch.setattr(portfolio, "LP_CHARGE", 1.0)  # a second a variable: no budget has room for it
+    skipped = solve(problem, time_limit=30.0, seed=0)
+    assert "lp_s" not in skipped.stats and skipped.stats["lp_skipped_charge_s"] > 30.0
+    for sol in (ran, skipped):
+        assert sol.status in ("optimal", "feasible") and sol.cost == problem.evaluate(sol.assignment)
+
+
+def test_reduction_work_is_charged_from_what_it_did():
+    """``reduce`` reports its work deterministically: the same twice, and more for the dominance tests' comparisons."""
+    problem = _grid_problem(150, seed=4)
+    a, b = reduce(problem).stats, reduce(problem).stats
+    assert a["reduce_deterministic_s"] == b["reduce_deterministic_s"] > 0
+    assert a["dominance_compared"] > 0
+    restricted = reduce(problem, max_rounds=0).stats  # restrict only: no dominance test ran
+    assert restricted["dominance_compared"] == 0
+    assert restricted["reduce_deterministic_s"] < a["reduce_deterministic_s"]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -110,3 +112,35 @@ def test_a_spent_safety_net_still_gives_a_valid_answer(monkeypatch):
     solution = solve(problem, time_limit=10.0)
     assert solution.status == "feasible" and solution.assignment
     assert problem.evaluate(solution.assignment) == solution.cost < float("inf")
+
+
+def test_the_solves_of_one_call_share_one_wall_clock_net(monkeypatch):
+    """Each solve's net is what the call's (``1.05 * limit + 1`` s of solving in all) has left, at most its own."""
+    from shardsolve import encodings
+
+    calls, solve = [], encodings.solve
+
+    def recording(problem, **options):
+        started = time.perf_counter()
+        try:
+            return solve(problem, **options)
+        finally:
+            calls.append((options.get("time_limit"), options.get("wall_limit"), time.perf_counter() - started))
+
+    monkeypatch.setattr(encodings, "solve", recording)
+    monkeypatch.setattr(planner, "compiled_peak", lambda plan, args: int(1.3 * plan.cost.peak_memory))
+    free = shardsolve.plan(_stack_step, *ARGS, mesh=MESH, in_shardings=(None, P("data")), tie=False)
+    calls.clear()
+    limit = 8.0
+    try:
+        shardsolve.plan(_stack_step, *ARGS, mesh=MESH, in_shardings=(None, P("data")), tie=False, time_limit=limit,
+                        memory_limit=int(0.7 * free.cost.peak_memory))
+    except shardsolve.InfeasibleError:
+        pass
+    assert len(calls) >= 2  # the memory search re-solved
+    net, spent = portfolio.WALL_SLACK * limit + portfolio.WALL_EXTRA, 0.0
+    for share, wall, seconds in calls:
+        assert wall is not None
+        assert wall <= portfolio.WALL_SLACK * share + portfolio.WALL_EXTRA + 1e-9  # at most the solve's own net
+        assert wall <= net - spent + 1e-9  # at most what the call's net has left
+        spent += seconds
