@@ -358,7 +358,8 @@ class Portfolio:
                 return done
         pruned = self.pruned_by_probe()
         target = pruned or flat
-        charge = LP_CHARGE * (sum(len(c) for c in target.costs) + sum(int(np.isfinite(t).sum()) for t in target.tables))
+        allowed = pairs if pruned is None else sum(int(np.isfinite(t).sum()) for t in pruned.tables)
+        charge = LP_CHARGE * (sum(len(c) for c in target.costs) + allowed)
         if charge > LP_SHARE * self.budget:  # deterministic: the size decides, never the clock
             stats["lp_skipped_charge_s"] = round(charge, 3)
             return None
