@@ -118,6 +118,13 @@ TRWS_SHARE_LARGE = 0.03
 #: stops at its next check (the final lift and evaluation still run).
 WALL_SLACK = 1.05
 WALL_EXTRA = 1.0
+
+
+def wall_net(time_limit: float) -> float:
+    """The wall-clock safety net, in seconds, of a work budget of ``time_limit`` seconds."""
+    return WALL_SLACK * time_limit + WALL_EXTRA
+
+
 #: Largest problem ``explain_infeasible`` hands to z3 (node strategies).
 EXPLAIN_MAX_STRATEGIES = 20_000
 
@@ -242,7 +249,7 @@ class Portfolio:
         self.threads = 1 if workers is None else max(1, int(workers))
         self.report = progress or _quiet
         self.total_budget = budget
-        self.wall_limit = WALL_SLACK * budget + WALL_EXTRA if wall_limit is None else max(0.0, float(wall_limit))
+        self.wall_limit = wall_net(budget) if wall_limit is None else max(0.0, float(wall_limit))
         self.stats: dict = dict(reduced.stats)
         self.stats["reduce_s"] = round(time.perf_counter() - started, 3)
         self.budget = budget - reduced.stats.get("reduce_deterministic_s", 0.0)  # checking and reducing the input

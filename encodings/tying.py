@@ -361,7 +361,7 @@ def untied_bound(
     offset = reduced.offset
     if flat.n == 0:
         return offset, "trws", None
-    wall = portfolio.WALL_SLACK * time_limit + portfolio.WALL_EXTRA if wall_limit is None else wall_limit
+    wall = portfolio.wall_net(time_limit) if wall_limit is None else wall_limit
     per_pass = trws_pass_charge(flat)
     passes = int(max(2, min(passes, BOUND_PASS_SHARE * time_limit / per_pass)))
     ub = upper - offset

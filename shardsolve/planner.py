@@ -288,7 +288,7 @@ class SolvingNet:
     """
 
     def __init__(self, time_limit: float):
-        self.total = portfolio.WALL_SLACK * time_limit + portfolio.WALL_EXTRA
+        self.total = portfolio.wall_net(time_limit)
         self.spent = 0.0
 
     def left(self) -> float:
@@ -296,7 +296,7 @@ class SolvingNet:
 
     def for_solve(self, share: float | None) -> float:
         """The net of one solve with work budget ``share`` (None: the solver's default)."""
-        own = portfolio.WALL_SLACK * (encodings.DEFAULT_TIME_LIMIT if share is None else share) + portfolio.WALL_EXTRA
+        own = portfolio.wall_net(encodings.DEFAULT_TIME_LIMIT if share is None else share)
         return min(own, self.left())
 
 
