@@ -53,7 +53,7 @@ import time
 
 import numpy as np
 
-from shardsolve.encodings.flat import Flat, evaluate
+from shardsolve.encodings.flat import Flat, evaluate, sweep_charge
 
 __all__ = ["trivial_bound", "dual_bound", "trws_bound", "trws_decode", "pruned_above", "lp_solve", "lp_bound",
            "lagrangian_bound"]
@@ -65,6 +65,9 @@ LP_TRWS_PASSES = 200
 
 
 def _finite_part(a: np.ndarray, big: float) -> np.ndarray:
+    """``a`` with its forbidden entries at ``big``: ``a`` itself (not a copy) where it has none."""
+    if len(a) and np.isfinite(a.max()) and np.isfinite(a.min()):
+        return a
     return np.where(np.isfinite(a), a, big)
 
 
@@ -78,17 +81,23 @@ def trivial_bound(flat: Flat) -> float:
 def _big(flat: Flat) -> float:
     """A finite stand-in for forbidden entries (lowering costs keeps a bound valid)."""
     top = 0.0
-    for c in flat.costs:
-        f = c[np.isfinite(c)]
-        top += float(np.abs(f).max()) if len(f) else 0.0
-    for t in flat.tables:
-        f = t[np.isfinite(t)]
-        top += float(np.abs(f).max()) if len(f) else 0.0
+    for a in (*flat.costs, *flat.tables):
+        if not len(a):
+            continue
+        high, low = float(a.max()), float(a.min())
+        if not (math.isfinite(high) and math.isfinite(low)):  # forbidden entries: the finite ones only
+            f = a[np.isfinite(a)]
+            high, low = (float(f.max()), float(f.min())) if len(f) else (0.0, 0.0)
+        top += max(abs(high), abs(low))
     return 4.0 * top + 1.0
 
 
-def dual_bound(flat: Flat, iterations: int = 20) -> float:
-    """Reparametrisation bound after ``iterations`` sweeps of star updates (memory relaxed)."""
+def dual_bound(flat: Flat, iterations: int = 20, wall_limit: float | None = None) -> float:
+    """Reparametrisation bound after ``iterations`` sweeps of star updates (memory relaxed).
+
+    ``wall_limit`` (seconds from the call): a safety net, checked after each sweep.
+    """
+    started = time.perf_counter()
     if flat.n == 0:
         return 0.0
     big = _big(flat)
@@ -122,14 +131,28 @@ def dual_bound(flat: Flat, iterations: int = 20) -> float:
             best = max(best, now)
             break
         best = now
+        if wall_limit is not None and time.perf_counter() - started > wall_limit:
+            break
     # floating-point safety margin
     return best - 1e-9 * max(1.0, abs(best))
+
+
+#: ``trws_bound``'s work in sweeps (``flat.sweep_charge``): a pass with its share of the bound checks, and the
+#: setup (finite stand-ins, transposed tables, the final terms; 2 to 6 sweeps measured).
+TRWS_PASS_SWEEPS = 1.25
+TRWS_SETUP_SWEEPS = 4.0
+
+
+def trws_charge(flat: Flat, passes: int) -> float:
+    """Deterministic charge (seconds) of ``trws_bound`` running ``passes`` passes over ``flat``."""
+    return (TRWS_PASS_SWEEPS * passes + TRWS_SETUP_SWEEPS) * sweep_charge(flat)
 
 
 def trws_bound(
     flat, passes: int = 60, target: float = math.inf, decoded: list | None = None, *,
     wall_limit: float | None = None, final_only: bool = False, decode_every: int = 0, ran: list | None = None,
-) -> tuple[float, list[np.ndarray], list[np.ndarray]]:
+    terms: bool = True,
+) -> tuple[float, list[np.ndarray] | None, list[np.ndarray] | None]:
     """A certified lower bound by sequential tree-reweighted message passing (TRW-S), memory relaxed.
 
     Passes alternate forward and backward over the nodes in index order;
@@ -146,7 +169,8 @@ def trws_bound(
 
     Stops after ``passes`` or once the bound reaches ``target``. Returns the
     best bound and its reparametrised node and edge costs (forbidden entries
-    stand in as a large finite cost). With a list ``decoded``, appends an
+    stand in as a large finite cost; None and None with ``terms=False``, which
+    spares building them). With a list ``decoded``, appends an
     assignment read off the final messages (each node, in order, at its
     cheapest given the nodes before it and the messages of those after).
     With ``decode_every`` too, an assignment is also read off at every bound
@@ -155,12 +179,12 @@ def trws_bound(
     meets its cost to a part in 1e9 (it is then optimal: planner problems get
     there in tens to a couple of hundred passes, well before an LP would).
 
-    The work is about ``passes * (nodes + edges)`` table operations (one
-    pass costs about as much as one bound check, done after passes 2, 4, 8
-    and every fourth; with ``final_only``, only after the last, as the bound
-    rarely falls from one pass to the next). ``wall_limit`` (seconds) is a safety net: once it has
-    passed, the bound is checked and the passes stop (only then does the
-    result depend on the machine's speed). The bound carries no
+    The work is about a sweep over the nodes, edges and table entries a pass
+    (``trws_charge``; one pass costs about as much as one bound check, done
+    after passes 2, 4, 8 and every fourth; with ``final_only``, only after the
+    last, as the bound rarely falls from one pass to the next). ``wall_limit``
+    (seconds) is a safety net: once it has passed, the bound is checked and
+    the passes stop (only then does the result depend on the machine's speed). The bound carries no
     floating-point margin: callers subtract one relative to their costs.
     With a list ``ran``, the number of passes run is appended (to charge them).
     """
@@ -180,28 +204,36 @@ def trws_bound(
         earlier[max(u, v)] += 1
     gamma = 1.0 / np.maximum(1, np.maximum(earlier, later))
 
-    def hats() -> list[np.ndarray]:
+    def hats(tu: list[np.ndarray], tv: list[np.ndarray]) -> list[np.ndarray]:
         out = [c.copy() for c in costs]
         for e in range(len(tables)):
-            out[ev[e]] += to_v[e]
-            out[eu[e]] += to_u[e]
+            out[ev[e]] += tv[e]
+            out[eu[e]] += tu[e]
         return out
 
-    def reparametrised(forward: bool) -> tuple[float, list[np.ndarray], list[np.ndarray]]:
-        hat = hats()
+    def reparametrised(forward: bool, tu: list[np.ndarray], tv: list[np.ndarray], keep: bool):
+        """The bound of the reparametrisation by messages ``tu``, ``tv``; with ``keep``, its node and edge terms
+        too (else None: one table-sized term at a time, as a pass, rather than all of them held)."""
+        hat = hats(tu, tv)
         sends = np.zeros(n)
-        edge_terms = []
+        edge_terms: list[np.ndarray] | None = [] if keep else None
+        value = 0.0
         for e, t in enumerate(tables):
             u, v = eu[e], ev[e]
             if (u < v) == forward:  # u goes first in this pass
                 sends[u] += 1
-                edge_terms.append(t + (gamma[u] * hat[u] - to_u[e])[:, None] - to_v[e][None, :])
+                term = t + (gamma[u] * hat[u] - tu[e])[:, None]
+                term -= tv[e][None, :]
             else:
                 sends[v] += 1
-                edge_terms.append(t + (gamma[v] * hat[v] - to_v[e])[None, :] - to_u[e][:, None])
+                term = t + (gamma[v] * hat[v] - tv[e])[None, :]
+                term -= tu[e][:, None]
+            value += float(term.min())
+            if edge_terms is not None:
+                edge_terms.append(term)
         node_terms = [(1.0 - gamma[i] * sends[i]) * hat[i] for i in range(n)]
-        value = sum(float(t.min()) for t in edge_terms) + sum(float(t.min()) for t in node_terms)
-        return value, node_terms, edge_terms
+        value += sum(float(t.min()) for t in node_terms)
+        return value, (node_terms if keep else None), edge_terms
 
     # Per node and direction: (edge, message in, oriented table rows = this node); hats kept up to date.
     msgs = {True: to_v, False: to_u}  # is_u -> the list holding messages from u (to v) / from v (to u)
@@ -212,11 +244,13 @@ def trws_bound(
             table = tables[e] if is_u else np.ascontiguousarray(tables[e].T)
             (ahead if j > i else behind).append((e, is_u, j, table))
         plan.append((ahead, behind))
-    hat = hats()
+    hat = hats(to_u, to_v)
+    # The best bound's messages (each pass replaces message arrays, never writes into them: a list copy keeps
+    # them); its terms are rebuilt from them once, at the end.
     if final_only and passes > 0:
-        best, best_nodes, best_edges = -math.inf, None, None
+        best, best_at = -math.inf, None
     else:
-        best, best_nodes, best_edges = reparametrised(True)
+        best, best_at = reparametrised(True, to_u, to_v, False)[0], (True, list(to_u), list(to_v))
     found, found_cost = None, math.inf  # the cheapest valid assignment read off so far (``decode_every``)
     done = 0
     for k in range(passes):
@@ -237,9 +271,9 @@ def trws_bound(
         late = wall_limit is not None and time.perf_counter() - started > wall_limit
         often = not final_only and (k in (1, 3, 7) or k % 4 == 3)
         if often or k == passes - 1 or late:  # a bound costs about a pass: check less often
-            value, node_terms, edge_terms = reparametrised(forward)
+            value = reparametrised(forward, to_u, to_v, False)[0]
             if value > best:
-                best, best_nodes, best_edges = value, node_terms, edge_terms
+                best, best_at = value, (forward, list(to_u), list(to_v))
             if decode_every and decoded is not None and ((k + 1) % decode_every == 0 or k == passes - 1 or late):
                 x = trws_decode(flat, costs, tables, to_u, to_v)
                 cost = evaluate(flat, x)
@@ -253,6 +287,9 @@ def trws_bound(
         decoded.append(found if found is not None else trws_decode(flat, costs, tables, to_u, to_v))
     if ran is not None:
         ran.append(done)
+    best_nodes = best_edges = None
+    if terms and best_at is not None:
+        best_nodes, best_edges = reparametrised(*best_at, True)[1:]  # the same sums as ``best``, in the same order
     return best, best_nodes, best_edges
 
 

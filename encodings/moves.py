@@ -48,6 +48,8 @@ CHARGE_PER_ENTRY = 1e-8
 PRICES = tuple(2.0 * 0.7**k for k in range(12)) + (0.0,)
 #: ``GroupMoves`` is not built when the edge tables hold more entries than this.
 MOVES_MAX_ENTRIES = 60_000_000
+#: ``GroupMoves.pair_round`` scores about this many pair entries at a time.
+PAIR_CHUNK = 1 << 18
 
 
 def _configs(flat: Flat, members: np.ndarray, internal: list[int]) -> np.ndarray | None:
@@ -91,6 +93,12 @@ def _configs(flat: Flat, members: np.ndarray, internal: list[int]) -> np.ndarray
         if len(rows) > GROUP_MAX_CONFIGS or not len(rows):
             return None
     return rows[:, [pos[int(m)] for m in members]]
+
+
+def _build_charge(items: int, pair_entries: int) -> float:
+    """``GroupMoves``' build: a Python pass over nodes and edges, and the pair entries' index arrays (30 to 300 ns
+    an entry measured)."""
+    return 5 * CHARGE_PER_ITEM * items + 15 * CHARGE_PER_ENTRY * pair_entries
 
 
 class GroupMoves:
@@ -222,8 +230,11 @@ class GroupMoves:
             phi[live] = np.maximum(phi[live], s1[end][live])
         self.pair_has = phi > plo
         self.pair_lo, self.pair_hi = np.where(self.pair_has, plo, 0), np.where(self.pair_has, phi, 1)
+        # a pair round takes 40 to 60 ns a pair entry (about twenty passes over them, a few edges at a time)
         self.pair_charge = CHARGE_PER_ENTRY * (len(self.costs) + 4 * len(self.pe_table) + len(self.u_target)
                                                + len(self.v_target)) + CHARGE_PER_ITEM * 0.01 * (n + len(eu))
+        #: Deterministic charge of building this; ``most_build_charge`` bounds it before building.
+        self.build_charge = _build_charge(n + len(eu), len(self.pe_table))
 
     def strategies_in_configs(self, node: int, group: int) -> np.ndarray:
         """The strategy ``node`` takes in each config of its ``group``."""
@@ -251,6 +262,11 @@ class GroupMoves:
     @staticmethod
     def fits(flat: Flat) -> bool:
         return sum(t.size for t in flat.tables) <= MOVES_MAX_ENTRIES
+
+    @staticmethod
+    def most_build_charge(flat: Flat) -> float:
+        """An upper bound of ``build_charge`` before building (every table's entries counted as pair entries)."""
+        return _build_charge(flat.n + len(flat.tables), sum(t.size for t in flat.tables))
 
     def external_costs(self, x: np.ndarray) -> np.ndarray:
         """Every strategy's node cost plus its external edges towards the neighbours' strategies in ``x``."""
@@ -380,29 +396,22 @@ class GroupMoves:
         tol = tolerance(flat)
         memory = memory and len(flat.capacity) > 0
         ext = self.external_costs(x)
-        u, v, sv = self.pair_u, self.pair_v, self.pair_sv
-        toff_u = self.pe_table - self.pe_a * sv[self.pe_pair] - self.pe_b  # start of each entry's table
-        xu, xv = x[u][self.pe_pair], x[v][self.pe_pair]
-        with np.errstate(invalid="ignore"):
-            joint = ext[self.offsets[u][self.pe_pair] + self.pe_a] - self.table[toff_u + self.pe_a * sv[self.pe_pair] + xv] \
-                + ext[self.offsets[v][self.pe_pair] + self.pe_b] - self.table[toff_u + xu * sv[self.pe_pair] + self.pe_b] \
-                + self.table[self.pe_table]
-        joint[np.isnan(joint)] = INF  # inf - inf: a row or column this edge forbids, never chosen
-        cur_u, cur_v = self.offsets[u] + x[u], self.offsets[v] + x[v]
-        is_cur = (self.pe_a == xu) & (self.pe_b == xv)
-        now = np.full(len(u), INF)
-        now[self.pe_pair[is_cur]] = joint[is_cur]
-        allowed = joint
-        du = self.usages[self.offsets[u][self.pe_pair] + self.pe_a] - self.usages[cur_u][self.pe_pair]
-        dv = self.usages[self.offsets[v][self.pe_pair] + self.pe_b] - self.usages[cur_v][self.pe_pair]
-        if memory:
-            rise = np.maximum(du, 0.0) + np.maximum(dv, 0.0)
-            room = np.full(len(u), INF)
-            if self.pair_has.any():
-                room[self.pair_has] = self._range_min(flat.capacity - prof, self.pair_lo[self.pair_has],
-                                                      self.pair_hi[self.pair_has])
-            allowed = np.where((rise <= tol) | (rise <= room[self.pe_pair] + tol), joint, INF)
-        least = np.minimum.reduceat(allowed, self.pair_start)
+        u, v = self.pair_u, self.pair_v
+        room = np.full(len(u), INF)
+        if memory and self.pair_has.any():
+            room[self.pair_has] = self._range_min(flat.capacity - prof, self.pair_lo[self.pair_has],
+                                                  self.pair_hi[self.pair_has])
+        now, least = np.full(len(u), INF), np.empty(len(u))
+        first = np.empty(len(u), dtype=np.int64)  # per edge, its first entry at ``least``
+        du_first, dv_first = np.empty(len(u)), np.empty(len(u))
+        # a few edges at a time: their entries' temporaries stay small (reused, not fresh memory each round)
+        ends = np.concatenate([self.pair_start[1:], [len(self.pe_table)]])
+        p0 = 0
+        while p0 < len(u):
+            p1 = max(p0 + 1, int(np.searchsorted(ends, self.pair_start[p0] + PAIR_CHUNK, side="right")))
+            p1 = min(p1, len(u))
+            self._pair_scores(x, ext, room, memory, tol, p0, p1, ends, now, least, first, du_first, dv_first)
+            p0 = p1
         gain = now - least
         cand = np.flatnonzero(np.isfinite(least) & np.isfinite(now)
                               & (gain > 1e-9 * np.maximum(1.0, np.abs(np.where(np.isfinite(now), now, 0.0)))))
@@ -425,13 +434,12 @@ class GroupMoves:
         lost = np.zeros(len(order), dtype=bool)
         lost[np.maximum(ou[clash], ov[clash])] = True
         sel = sel[~lost[rank[sel]]]
-        hit = np.flatnonzero((allowed == least[self.pe_pair]) & np.isin(self.pe_pair, sel))
-        pairs, first = np.unique(self.pe_pair[hit], return_index=True)
-        best = hit[first]
+        pairs = np.sort(sel)
+        best = first[pairs]
         nodes = np.concatenate([u[pairs], v[pairs]])
         new = np.concatenate([self.pe_a[best], self.pe_b[best]])
         if memory:
-            change = np.concatenate([du[best], dv[best]])
+            change = np.concatenate([du_first[pairs], dv_first[pairs]])
             trial = _shifted_profile(flat, prof, nodes, change)
             over = trial > flat.capacity + tol
             if over.any():
@@ -448,6 +456,36 @@ class GroupMoves:
             return x, prof, False
         x[nodes] = new
         return x, prof, True
+
+    def _pair_scores(self, x, ext, room, memory, tol, p0, p1, ends, now, least, first, du_first, dv_first) -> None:
+        """``pair_round``'s scores of pair edges ``p0:p1`` into the per-edge arrays: the current joint cost
+        (``now``), the least allowed one, the first entry at it and that entry's usage changes at both ends."""
+        e0, e1 = int(self.pair_start[p0]), int(ends[p1 - 1])
+        pe_pair = self.pe_pair[e0:e1]
+        pe_a, pe_b, pe_table = self.pe_a[e0:e1], self.pe_b[e0:e1], self.pe_table[e0:e1]
+        u, v = self.pair_u[pe_pair], self.pair_v[pe_pair]
+        sv = self.pair_sv[pe_pair]
+        toff_u = pe_table - pe_a * sv - pe_b  # start of each entry's table
+        xu, xv = x[u], x[v]
+        with np.errstate(invalid="ignore"):
+            joint = ext[self.offsets[u] + pe_a] - self.table[toff_u + pe_a * sv + xv] \
+                + ext[self.offsets[v] + pe_b] - self.table[toff_u + xu * sv + pe_b] \
+                + self.table[pe_table]
+        joint[np.isnan(joint)] = INF  # inf - inf: a row or column this edge forbids, never chosen
+        is_cur = (pe_a == xu) & (pe_b == xv)
+        now[pe_pair[is_cur]] = joint[is_cur]
+        allowed = joint
+        du = self.usages[self.offsets[u] + pe_a] - self.usages[self.offsets[u] + xu]
+        dv = self.usages[self.offsets[v] + pe_b] - self.usages[self.offsets[v] + xv]
+        if memory:
+            rise = np.maximum(du, 0.0) + np.maximum(dv, 0.0)
+            allowed = np.where((rise <= tol) | (rise <= room[pe_pair] + tol), joint, INF)
+        starts = self.pair_start[p0:p1] - e0
+        least[p0:p1] = np.minimum.reduceat(allowed, starts)
+        hit = np.flatnonzero(allowed == least[pe_pair])
+        edges, at = np.unique(pe_pair[hit], return_index=True)
+        first[edges] = e0 + hit[at]
+        du_first[edges], dv_first[edges] = du[hit[at]], dv[hit[at]]
 
 
 def quotient(moves: GroupMoves, x: np.ndarray) -> tuple[Flat, np.ndarray]:

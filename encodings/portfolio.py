@@ -3,11 +3,11 @@
 ::
 
     problem --presolve.reduce--> reduced problem --flat.flatten--> arrays
-    lp_relaxation      moderate sizes: first a TRW-S probe (memory relaxed) that reads off an assignment
+    lp_relaxation      up to 5,000 nodes: first a TRW-S probe (memory relaxed) that reads off an assignment
                        every 16 passes, optimal where the bound meets it (planner problems, in about a
-                       hundred passes); else the LP with memory (HiGHS) over the entries the probe's
-                       reduced costs leave an assignment cheaper than its own, a certified bound and a
-                       guide; an integral LP whose rounding costs its value is optimal (IOPDDL B)
+                       hundred passes); else, where they fit, the LP with memory (HiGHS) over the entries
+                       the probe's reduced costs leave an assignment cheaper than its own, a certified
+                       bound and a guide; an integral LP whose rounding costs its value is optimal
     solve_tiny         <= 60 decisions: CP-SAT on the whole model, exactly (milliseconds)
     warm_starts        heuristics (least usage, Lagrangian forest DP, repair, ICM); where the LP is
                        skipped (up to 5,000 nodes) TRW-S decodings, repaired; the LP rounded, its
@@ -18,8 +18,8 @@
                        on feasibility alone over pruned domains (which may prove there is none)
     solve_whole        <= 400 decisions and 5,000 strategies (or nothing valid yet): the whole model,
                        hinted, for a share of the budget (may prove optimality)
-    certify            no LP: TRW-S message passing, memory relaxed, for a share of the budget
-                       (and min-sum diffusion, the larger)
+    certify            no LP: TRW-S message passing, memory relaxed, for a share of the budget (unless
+                       the probe ran as many passes), and min-sum diffusion; the larger
     improve            vectorised group moves (``moves``: every node or small component of forbidden-bearing
                        edges at once, two-node moves, a falling price on usage where memory binds); above
                        400 decisions two sweeps of component descent; then large-neighbourhood search in
@@ -30,27 +30,31 @@ Each phase is one method of :class:`Portfolio`, which holds the incumbent,
 the bound and the budget left. Time limits are *deterministic* work budgets
 in seconds (CP-SAT's deterministic time, a fixed charge per model term built,
 per node, edge, table entry and dominance comparison of the reductions
-(``presolve.reduce``), per LP variable, per node and edge visited by a Python
-pass, per entry touched by the vectorised moves): every phase charges what it
+(``presolve.reduce``), per LP variable, per node, edge and table entry visited by a
+pass (``flat.sweep_charge``), per entry touched by the vectorised moves): every phase charges what it
 did (``stats["phases"]``: wall seconds and work per phase), a phase whose
 charge the budget left cannot cover is skipped (the LP, the Lagrangian rounds
 of the warm start, the whole model, TRW-S, diffusion, the descent), and the
 wall clock is only a safety net at ``WALL_SLACK * time_limit + WALL_EXTRA``
 seconds (or the caller's ``wall_limit``). Only a valid answer comes before
 both: with nothing valid yet, the forbidden-pair repair and CP-SAT's search
-for one run past them.
+for one run past them. A solve keeps Python's cyclic collector off the
+objects alive when it starts (``frozen_heap``), so that its wall time does
+not grow with its caller's heap.
 """
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import math
 import time
-from typing import Callable
+from typing import Callable, Iterator
 
 import numpy as np
 
 from shardsolve.encodings import bounds, cpsat, heuristics, moves, search
-from shardsolve.encodings.flat import CHARGE_PER_ITEM, Flat, evaluate, flatten, softened, subproblem
+from shardsolve.encodings.flat import CHARGE_PER_ITEM, Flat, evaluate, flatten, softened, subproblem, sweep_charge
 from shardsolve.encodings.presolve import Reduced, reduce
 from shardsolve.errors import InfeasibleError, Interrupted, ShardsolveError
 from shardsolve.problem import Problem, Solution
@@ -69,7 +73,8 @@ EXACT_STRATEGIES = 5000
 #: model's CP-SAT deterministic time is charged ``cpsat.NEIGHBOURHOOD_FACTOR`` times over: wall time runs at
 #: about twice it on planner problems).
 WHOLE_MIN = 0.25
-#: The LP relaxation is built up to this many nodes (and ``bounds.LP_MAX_PAIRS`` pair variables).
+#: The TRW-S probe runs up to this many nodes, and the LP relaxation after it (over the entries the probe
+#: leaves, where they are at most ``bounds.LP_MAX_PAIRS`` pair variables).
 LP_MAX_NODES = 5000
 #: Above this many nodes (after reduction) the Python heuristics are skipped.
 LARGE_NODES = 5000
@@ -109,6 +114,8 @@ WARM_ROUND_PASSES = 5
 #: TRW-S warm starts (where no LP guides): further usage penalties are tried while their work is within this
 #: share of the budget left (``search.trws_starts``).
 TRWS_START_SHARE = 0.5
+#: Min-sum diffusion (``bounds.dual_bound``) after the TRW-S bound, where the LP is skipped: this many sweeps.
+DIFFUSION_SWEEPS = 50
 #: TRW-S bound (where the LP is skipped): at most this many passes, and this share of the budget.
 TRWS_PASSES = 200
 TRWS_SHARE = 0.12
@@ -123,6 +130,29 @@ WALL_EXTRA = 1.0
 def wall_net(time_limit: float) -> float:
     """The wall-clock safety net, in seconds, of a work budget of ``time_limit`` seconds."""
     return WALL_SLACK * time_limit + WALL_EXTRA
+
+
+_FROZEN = [0]  # depth of nested ``frozen_heap`` blocks
+
+
+@contextlib.contextmanager
+def frozen_heap() -> Iterator[None]:
+    """The objects alive on entry left out of Python's cyclic collector until the outermost block ends.
+
+    A full collection walks every tracked object; in a planner process, which
+    holds the traced program and the built problem (millions of objects),
+    one such pass during a solve took 6 s of its wall-clock net. Frozen
+    (``gc.freeze``), they are not walked; the solve's own garbage still is.
+    """
+    _FROZEN[0] += 1
+    if _FROZEN[0] == 1:
+        gc.freeze()
+    try:
+        yield
+    finally:
+        _FROZEN[0] -= 1
+        if _FROZEN[0] == 0:
+            gc.unfreeze()
 
 
 #: Largest problem ``explain_infeasible`` hands to z3 (node strategies).
@@ -207,8 +237,9 @@ def solve(
         reduced = reduce(problem)
     except InfeasibleError:
         return infeasible_solution(problem, started, {"reduced": False})
-    return Portfolio(problem, reduced, budget, started, seed=seed, workers=workers, progress=progress,
-                     incumbent=incumbent, wall_limit=wall_limit).run()
+    with frozen_heap():
+        return Portfolio(problem, reduced, budget, started, seed=seed, workers=workers, progress=progress,
+                         incumbent=incumbent, wall_limit=wall_limit).run()
 
 
 def infeasible_solution(problem: Problem, started: float, stats: dict) -> Solution:
@@ -262,6 +293,7 @@ class Portfolio:
         self.guide: np.ndarray | None = None  # the LP relaxation rounded, where it was solved
         self.marginals: list[np.ndarray] | None = None
         self.probe: tuple | None = None  # (cost, bound, node terms, edge terms) of ``trws_probe``, without a proof
+        self.probe_passes = 0  # TRW-S passes the probe ran (its bound is in ``bound``)
         self.moves: moves.GroupMoves | None = None  # built on first use
         self.quotient_moves: moves.GroupMoves | None = None  # moves on the problem over groups (memory left out)
 
@@ -356,9 +388,9 @@ class Portfolio:
         Planner problems and IOPDDL B/G have an integral LP: its rounding is optimal.
         """
         flat, stats = self.flat, self.stats
-        pairs = sum(int(np.isfinite(t).sum()) for t in flat.tables)
-        if not (flat.n <= LP_MAX_NODES and pairs <= bounds.LP_MAX_PAIRS):
+        if flat.n > LP_MAX_NODES:
             return None
+        pairs = sum(int(np.isfinite(t).sum()) for t in flat.tables)
         if pairs >= PROBE_MIN_DENSITY * sum(t.size for t in flat.tables):
             done = self.trws_probe()
             if done is not None:
@@ -366,6 +398,8 @@ class Portfolio:
         pruned = self.pruned_by_probe()
         target = pruned or flat
         allowed = pairs if pruned is None else sum(int(np.isfinite(t).sum()) for t in pruned.tables)
+        if allowed > bounds.LP_MAX_PAIRS:  # too large for the LP, even pruned
+            return None
         charge = LP_CHARGE * (sum(len(c) for c in target.costs) + allowed)
         if charge > LP_SHARE * self.budget:  # deterministic: the size decides, never the clock
             stats["lp_skipped_charge_s"] = round(charge, 3)
@@ -413,7 +447,8 @@ class Portfolio:
         ran: list = []
         lb, node_terms, edge_terms = bounds.trws_bound(flat, passes, decoded=decoded, wall_limit=self.wall_left(),
                                                        decode_every=PROBE_DECODE_EVERY, ran=ran)
-        self.budget -= ran[0] * per_pass + 3 * CHARGE_PER_ITEM * (flat.n + len(flat.tables))
+        self.budget -= bounds.trws_charge(flat, ran[0])
+        self.probe_passes = ran[0]
         lb -= 1e-10 * abs(lb)  # floating-point margin of the reparametrised sums (as ``tying.untied_bound``'s)
         x = decoded[0]
         cost = evaluate(flat, x)
@@ -423,6 +458,7 @@ class Portfolio:
             self.consider(x, cost)
         self.bound = max(self.bound, lb)
         stats["probe_bound"] = lb + self.offset
+        stats["probe_passes"] = ran[0]
         stats["probe_cost"] = cost + self.offset if math.isfinite(cost) else None
         if math.isfinite(self.best_cost) and self.bound >= self.best_cost - 1e-9 * abs(self.best_cost):
             stats["proof"] = "TRW-S"
@@ -470,7 +506,8 @@ class Portfolio:
             stats["warm_start_cost"] = c0 + self.offset if math.isfinite(c0) else None
             if self.guide is None:
                 # no LP to round: TRW-S decodings (memory penalised, then repaired) as further starts
-                x_t, c_t, used = search.trws_starts(flat, c0, self.seed, self.wall_left(),
+                # the reference is the best valid cost so far (the probe's, where the heuristic found none)
+                x_t, c_t, used = search.trws_starts(flat, min(c0, self.best_cost), self.seed, self.wall_left(),
                                                     budget=TRWS_START_SHARE * self.budget)
                 self.budget -= used
                 self.consider(x_t, c_t)
@@ -563,22 +600,28 @@ class Portfolio:
         return None
 
     def certify(self) -> None:
-        """Where the LP was too big: TRW-S (memory relaxed), and min-sum diffusion where cheap; the larger."""
+        """Where the LP was too big: TRW-S (memory relaxed; unless the probe ran as many passes), and min-sum
+        diffusion where cheap; the larger."""
         flat, stats = self.flat, self.stats
         if self.budget < 2 * trws_pass_charge(flat):  # not even two passes left: the trivial bound stands
             return
         passes = trws_passes(flat, min(self.total_budget, 2.0 * max(0.0, self.budget)))
-        trws_started = time.perf_counter()
-        value, _, _ = bounds.trws_bound(flat, passes=passes, wall_limit=0.5 * self.wall_left(), final_only=True)
-        value -= 1e-9 * max(1.0, abs(value))  # floating-point margin, as ``dual_bound``'s
-        stats["trws_passes"] = passes
-        stats["trws_s"] = round(time.perf_counter() - trws_started, 3)
-        stats["trws_bound"] = value + self.offset
-        self.bound = max(self.bound, value)
-        self.budget -= (passes + 3) * CHARGE_PER_ITEM * (flat.n + len(flat.tables))
-        diffusion = 100 * CHARGE_PER_ITEM * (flat.n + len(flat.tables))  # 50 sweeps of about 1.5 passes each
-        if flat.n <= LARGE_NODES and self.budget > diffusion:  # min-sum diffusion, where the budget has room for it
-            self.bound = max(self.bound, bounds.dual_bound(flat, iterations=50))
+        if passes > self.probe_passes:
+            trws_started = time.perf_counter()
+            ran: list = []
+            value, _, _ = bounds.trws_bound(flat, passes=passes, wall_limit=0.5 * self.wall_left(), final_only=True,
+                                            ran=ran, terms=False)
+            value -= 1e-9 * max(1.0, abs(value))  # floating-point margin, as ``dual_bound``'s
+            stats["trws_passes"] = ran[0]
+            stats["trws_s"] = round(time.perf_counter() - trws_started, 3)
+            stats["trws_bound"] = value + self.offset
+            self.bound = max(self.bound, value)
+            self.budget -= bounds.trws_charge(flat, ran[0])
+        diffusion = 2 * DIFFUSION_SWEEPS * sweep_charge(flat)  # a sweep of star updates reads each table twice
+        if flat.n <= LARGE_NODES and self.budget > diffusion and self.wall_left() > 0:
+            # min-sum diffusion, where the budget has room for it
+            self.bound = max(self.bound, bounds.dual_bound(flat, iterations=DIFFUSION_SWEEPS,
+                                                           wall_limit=self.wall_left()))
             self.budget -= diffusion
 
     def group_moves(self) -> None:
@@ -588,6 +631,8 @@ class Portfolio:
         """
         if not moves.GroupMoves.fits(self.flat) or self.budget <= 0 or self.wall_left() <= 0:
             return
+        if self.moves is None and moves.GroupMoves.most_build_charge(self.flat) > min(self.budget, self.wall_left()):
+            return  # building the moves' index arrays alone would take longer than what is left
         wall, work = time.perf_counter(), self.budget
         self._group_moves()
         self.stats["moves_s"] = round(self.stats.get("moves_s", 0.0) + time.perf_counter() - wall, 3)
@@ -596,7 +641,7 @@ class Portfolio:
     def _group_moves(self) -> None:
         if self.moves is None:
             self.moves = moves.GroupMoves(self.flat, search.forbidden_components(self.flat))
-            self.budget -= 5 * CHARGE_PER_ITEM * (self.flat.n + len(self.flat.tables))
+            self.budget -= self.moves.build_charge
         rounds = int(min(MOVE_ROUNDS, max(1.0, MOVE_SHARE * self.budget / self.moves.round_charge)))
         x, done, used = self.moves.descend(self.best_x, rounds=rounds, wall_limit=self.wall_left())
         self.budget -= used
@@ -613,7 +658,7 @@ class Portfolio:
             if self.quotient_moves is None:
                 quotient, _ = moves.quotient(self.moves, self.best_x)
                 self.quotient_moves = moves.GroupMoves(quotient)
-                self.budget -= 5 * CHARGE_PER_ITEM * (quotient.n + len(quotient.tables) + len(self.flat.tables))
+                self.budget -= self.quotient_moves.build_charge + 5 * CHARGE_PER_ITEM * len(self.flat.tables)
             q, done, used = self.quotient_moves.descend(self.moves.configs_of(self.best_x), rounds=rounds,
                                                         wall_limit=self.wall_left())
             self.budget -= used + CHARGE_PER_ITEM * (self.flat.n + len(self.flat.tables))
@@ -671,13 +716,12 @@ class Portfolio:
 
 
 def trws_pass_charge(flat: Flat) -> float:
-    """Deterministic charge (seconds) of one TRW-S pass: about a sweep over nodes and edges, the table work above it
-    (measured 0.65 to 1.25 times this on planner problems)."""
-    return 1.25 * CHARGE_PER_ITEM * (flat.n + len(flat.tables))
+    """Deterministic charge (seconds) of one TRW-S pass (``bounds.trws_charge``, its setup left out)."""
+    return bounds.TRWS_PASS_SWEEPS * sweep_charge(flat)
 
 
 def trws_passes(flat: Flat, budget: float) -> int:
-    """TRW-S passes that fit ``TRWS_SHARE`` (``TRWS_SHARE_LARGE``) of ``budget`` (a pass costs about a sweep over nodes and edges)."""
+    """TRW-S passes that fit ``TRWS_SHARE`` (``TRWS_SHARE_LARGE``) of ``budget`` (``trws_pass_charge`` a pass)."""
     per_pass = trws_pass_charge(flat)
     share = TRWS_SHARE_LARGE if flat.n > LARGE_NODES else TRWS_SHARE
     return int(max(2, min(TRWS_PASSES, share * budget / per_pass)))

@@ -36,8 +36,8 @@ from typing import Callable
 import numpy as np
 
 from shardsolve.encodings import bounds
-from shardsolve.encodings.cpsat import solve_neighbourhood
-from shardsolve.encodings.flat import CHARGE_PER_ITEM, Flat, evaluate, profile, softened, subproblem
+from shardsolve.encodings.cpsat import CHARGE_PER_TERM, solve_neighbourhood
+from shardsolve.encodings.flat import CHARGE_PER_ITEM, Flat, evaluate, profile, softened, subproblem, sweep_charge
 from shardsolve.encodings.heuristics import icm, least_usage, repair
 from shardsolve.encodings.presolve import component_labels
 
@@ -54,6 +54,8 @@ DESCENT_GROW = 100
 #: per byte of capacity, each followed by ``TRWS_START_PASSES`` passes and a decoding.
 TRWS_PENALTIES = (0.0, 0.003, 0.01, 0.03, 0.1, 0.3, 1.0)
 TRWS_START_PASSES = 30
+#: ``lns``: the fewest decision nodes a neighbourhood shrinks to.
+LNS_MIN_SIZE = 8.0
 
 
 def _left(started: float, wall_limit: float | None) -> float | None:
@@ -211,6 +213,15 @@ def lns(
         else:
             free = neighbourhood(flat, int(size), rng, decision, kind, weights)
         sub = subproblem(flat, free, x, prof)
+        # building its model alone (about a term per table entry) would overrun the work or the net left:
+        # a smaller neighbourhood, or none where it is already the smallest
+        building = CHARGE_PER_TERM * (sum(t.size for t in sub.tables) + 2 * sum(len(c) for c in sub.costs))
+        left = budget - spent if wall_limit is None else min(budget - spent, _left(started, wall_limit))
+        if building > left:
+            if size <= LNS_MIN_SIZE:
+                break
+            size = max(LNS_MIN_SIZE, 0.5 * size)
+            continue
         before = evaluate(sub, x[free])
         y, after, optimal, used = solve_neighbourhood(sub, x[free], min(step_limit, budget - spent + 1e-3), seed + step,
                                                       _left(started, wall_limit))
@@ -229,7 +240,7 @@ def lns(
         if optimal:
             size = min(float(n_dec), size * 1.15 + 1)
         else:
-            size = max(8.0, size * 0.85)
+            size = max(LNS_MIN_SIZE, size * 0.85)
     cost = evaluate(flat, x)  # exact, without the rounding of the running sum
     stats["lns_steps"] = step
     stats["lns_final_size"] = int(size)
@@ -447,8 +458,7 @@ def trws_starts(flat: Flat, reference: float, seed: int, wall_limit: float | Non
     scale = abs(reference) if math.isfinite(reference) and reference != 0 else 1.0
     usages = [np.asarray(u, dtype=np.float64) for u in flat.usages]
     best_x, best_cost, spent = None, math.inf, 0.0
-    items = flat.n + len(flat.tables)
-    decoding = (1.5 * TRWS_START_PASSES + 5) * CHARGE_PER_ITEM * items  # the passes, the repairs and ICM
+    decoding = bounds.trws_charge(flat, TRWS_START_PASSES) + 5 * sweep_charge(flat)  # the passes, repairs and ICM
     for k, mu in enumerate(TRWS_PENALTIES):
         if mu and not len(flat.capacity):
             break
@@ -458,7 +468,8 @@ def trws_starts(flat: Flat, reference: float, seed: int, wall_limit: float | Non
         per_byte = mu * scale / max(cap, 1e-300)
         penalised = dataclasses.replace(flat, costs=tuple(c + per_byte * u for c, u in zip(flat.costs, usages)))
         decoded: list = []
-        bounds.trws_bound(penalised, passes=TRWS_START_PASSES, decoded=decoded)
+        bounds.trws_bound(penalised, passes=TRWS_START_PASSES, decoded=decoded, wall_limit=_left(started, wall_limit),
+                          terms=False)
         x = icm(soft, repair(soft, decoded[0]), sweeps=3)
         x, used, _ = repair_forbidden(flat, x, budget=1.0, seed=seed + k, wall_limit=_left(started, wall_limit))
         spent += used + decoding

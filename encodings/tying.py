@@ -63,7 +63,7 @@ import numpy as np
 # ``solve`` is called through the package so that a stand-in for it (tests/lower_cases.py) also plans tied problems
 from shardsolve import encodings
 from shardsolve.encodings import portfolio
-from shardsolve.encodings.bounds import pruned_above, trws_bound
+from shardsolve.encodings.bounds import pruned_above, trws_bound, trws_charge
 from shardsolve.encodings.flat import evaluate, flatten
 from shardsolve.encodings.portfolio import trws_pass_charge
 from shardsolve.encodings.presolve import ENTRY_CHARGE, Reduced, component_labels, reduce
@@ -346,10 +346,10 @@ def untied_bound(
 
     ``time_limit`` covers both: the passes are at most ``BOUND_PASS_SHARE`` of
     it (``portfolio.trws_pass_charge`` a pass), the pruned solve gets the
-    rest, where that covers reducing its tables (``presolve.ENTRY_CHARGE`` an
-    entry; else the TRW-S bound is returned). ``wall_limit``: the wall-clock net in seconds from the call, shared
-    the same way (default the solver's, ``1.05 * time_limit + 1``); where the passes spend it,
-    the TRW-S bound is returned as it stands.
+    rest (less ``bounds.trws_charge`` of the passes run), where that covers reducing its tables
+    (``presolve.ENTRY_CHARGE`` an entry; else the TRW-S bound is returned). ``wall_limit``: the wall-clock
+    net in seconds from the call, shared the same way (default the solver's, ``1.05 * time_limit + 1``);
+    where the passes leave less of it than reducing the tables takes, the TRW-S bound is returned as it stands.
 
     Returns (bound, how, better): how is ``"trws"`` or ``"trws+pruned"``;
     ``better`` is an assignment of the reduced problem cheaper than ``upper``
@@ -374,9 +374,10 @@ def untied_bound(
     if lb >= ub - tol:
         return upper, "trws", None
     wall_left = wall - (time.perf_counter() - started)
-    left = time_limit - ran[0] * per_pass
-    if wall_left <= 0 or left < ENTRY_CHARGE * sum(t.size for t in flat.tables):
-        return lb + offset, "trws", None  # no time left, or less than reducing the pruned problem's tables costs
+    left = time_limit - trws_charge(flat, ran[0])
+    reducing = ENTRY_CHARGE * sum(t.size for t in flat.tables)
+    if min(left, wall_left) < reducing:
+        return lb + offset, "trws", None  # less time left than reducing the pruned problem's tables takes
     kept = pruned_above(flat, node_terms, edge_terms, (ub - lb) + 1e-7 * abs(ub))  # in the problem's order
     problem = reduced.problem
     nodes = tuple(

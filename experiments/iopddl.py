@@ -69,7 +69,8 @@ def run_one(name: str, time_limit: float, console: Console) -> dict:
         "memory": f"{peak / problem.usage_limit:.3f}" if problem.usage_limit and math.isfinite(peak) else "-",
         "status": sol.status,
         "limit": time_limit,
-        "stats": {k: st.get(k) for k in ("reduce_s", "lp_s", "lp_bound", "trws_passes", "trws_s", "trws_bound",
+        "stats": {k: st.get(k) for k in ("reduce_s", "lp_s", "lp_bound", "probe_passes", "probe_bound",
+                                          "trws_passes", "trws_s", "trws_bound",
                                           "warm_start_cost", "trws_start_cost", "move_rounds", "priced_rounds",
                                           "descent_steps", "lns_steps", "moves_s", "moves_work_s", "descent_s",
                                           "descent_deterministic_s", "lns_s", "lns_deterministic_s")},
@@ -148,14 +149,15 @@ def stages(rows: list[dict]) -> str:
     """Where each instance's bound and start came from, and where its time went (from ``Solution.stats``)."""
     lines = [
         "## Bounds and starts, per instance (from the solver's stats)\n",
-        "| instance | reduce s | LP s | LP bound | TRW-S passes | TRW-S s | TRW-S bound | heuristic start | TRW-S start"
-        " | move rounds (priced) | descent steps | LNS steps |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| instance | reduce s | probe passes | probe bound | LP s | LP bound | TRW-S passes | TRW-S s | TRW-S bound"
+        " | heuristic start | TRW-S start | move rounds (priced) | descent steps | LNS steps |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         st = r["stats"]
         lines.append("| " + " | ".join([
-            r["instance"], _num(st["reduce_s"], ".1f"), _num(st["lp_s"], ".1f"), _num(st["lp_bound"]),
+            r["instance"], _num(st["reduce_s"], ".1f"), _num(st["probe_passes"], "d"), _num(st["probe_bound"]),
+            _num(st["lp_s"], ".1f"), _num(st["lp_bound"]),
             _num(st["trws_passes"], "d"), _num(st["trws_s"], ".1f"), _num(st["trws_bound"]),
             _num(st["warm_start_cost"]), _num(st["trws_start_cost"]),
             f"{_num(st['move_rounds'], 'd')} ({_num(st['priced_rounds'], 'd')})",
@@ -193,13 +195,16 @@ PHASES = ("lp", "starts", "feasibility", "whole model", "bounds", "search")
 
 
 NOTES = """
-Notes. Where the LP fits (B, G) its rounding gives the start; the LP bound is certified from HiGHS's
-duals (the Lagrangian of any duals is a valid bound whatever the solver's tolerances), so an
-integral LP proves optimality only when that certificate meets its cost, and otherwise CP-SAT on
-the whole model from the rounding proves it. Where the LP does not fit (V has 631k pair variables,
-K, P and S far more), the certified bound is TRW-S message passing with memory relaxed, run for a
-share of the budget (12%, 3% above 5,000 nodes): the distance from it to the cost is an upper limit on how far from
-optimal the plan is, not a measured distance, and part of it is the memory constraint the bound
+Notes. Up to 5,000 nodes (B, G, V), TRW-S runs first as a probe (memory relaxed, at most 240 passes
+and half the budget), reading an assignment off its messages every 16 passes: on B and G its bound
+meets one, which proves it optimal with no LP. Where it proves nothing, the LP with memory runs over
+the entries an assignment cheaper than the probe's can use, where they fit (on V they do not); the
+LP bound is certified from HiGHS's duals (the Lagrangian of any duals is a valid bound whatever the
+solver's tolerances), so an integral LP proves optimality only when that certificate meets its cost,
+and otherwise CP-SAT on the whole model from the rounding proves it. Where no LP runs, the
+certified bound is the probe's (V) or, above 5,000 nodes (K, P, S), TRW-S message passing with
+memory relaxed, run for 3% of the budget: the distance from it to the cost is an upper limit on how
+far from optimal the plan is, not a measured distance, and part of it is the memory constraint the bound
 ignores. On V (up to 5,000 nodes) the warm starts also include TRW-S decodings of the costs plus a
 usage penalty, repaired for memory and forbidden pairs; on K, P and S the start is least usage,
 ICM on the softened problem and an exact repair of every component of forbidden-bearing edges,

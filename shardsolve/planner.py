@@ -500,18 +500,19 @@ def search_once(built: Built, time_limit: float | None, seed: int, tie: bool, sa
     net = _NET.get()
     wall = None if net is None else net.for_solve(time_limit)
     try:
-        if tie:
-            solution = solve_tied(built.problem, time_limit=time_limit, seed=seed, progress=solver_progress,
-                                  wall_limit=wall)
-            if solution is not None and say:
-                st = solution.stats
-                say(f"tied {st['tied_nodes']} nodes in {st['tie_classes']} classes of repeated layers: "
-                    f"{st['tying']} ({st['tie_bound']} bound of the untied problem)")
-        if solution is None:  # untied, in the time tying left (all of it when tying returned at once: deterministic)
-            spent = time.perf_counter() - started
-            left = time_limit if time_limit is None or spent < 0.25 * time_limit else max(0.5, time_limit - spent)
-            solution = encodings.solve(built.problem, time_limit=left, seed=seed, progress=solver_progress,
-                                       wall_limit=None if wall is None else max(0.0, wall - spent))
+        with portfolio.frozen_heap():  # the collector leaves the traced program and the problem alone
+            if tie:
+                solution = solve_tied(built.problem, time_limit=time_limit, seed=seed, progress=solver_progress,
+                                      wall_limit=wall)
+                if solution is not None and say:
+                    st = solution.stats
+                    say(f"tied {st['tied_nodes']} nodes in {st['tie_classes']} classes of repeated layers: "
+                        f"{st['tying']} ({st['tie_bound']} bound of the untied problem)")
+            if solution is None:  # untied, in the time tying left (all of it where tying returned at once)
+                spent = time.perf_counter() - started
+                left = time_limit if time_limit is None or spent < 0.25 * time_limit else max(0.5, time_limit - spent)
+                solution = encodings.solve(built.problem, time_limit=left, seed=seed, progress=solver_progress,
+                                           wall_limit=None if wall is None else max(0.0, wall - spent))
     finally:
         if net is not None:
             net.spent += time.perf_counter() - started

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from shardsolve.encodings import bounds, explain_infeasible, heuristics, moves, portfolio, search, smt, solve
 from shardsolve.encodings.cpsat import reduce_table, solve_cpsat, solve_feasibility
-from shardsolve.encodings.flat import evaluate, flatten, softened
+from shardsolve.encodings.flat import evaluate, flatten, profile, softened
 from shardsolve.encodings.presolve import reduce, restrict
 from shardsolve.problem import FORBIDDEN, MEMORY_LIMIT_LABEL, Edge, Node, Pin, Problem
 from test_reductions import brute_force, small_problems
@@ -593,3 +593,86 @@ def test_reduction_work_is_charged_from_what_it_did():
     restricted = reduce(problem, max_rounds=0).stats  # restrict only: no dominance test ran
     assert restricted["dominance_compared"] == 0
     assert restricted["reduce_deterministic_s"] < a["reduce_deterministic_s"]
+
+
+@pytest.mark.parametrize("memory", [True, False])
+def test_pair_round_scores_the_same_a_few_edges_at_a_time(monkeypatch, memory):
+    """``pair_round`` scores its pair entries in chunks of edges: one edge at a time and all at once agree."""
+    moved = 0
+    for seed in (2, 5):
+        problem, planted = _planted_problem(150, seed=seed)
+        flat = flatten(problem)
+        group_moves = moves.GroupMoves(flat, search.forbidden_components(flat))
+        assert len(group_moves.pair_edges) > 10
+        start = np.array(planted)  # valid, and far from a local optimum of pair moves
+        prof = profile(flat, start)
+        results = []
+        for chunk in (1, 100, 1 << 30):
+            monkeypatch.setattr(moves, "PAIR_CHUNK", chunk)
+            results.append(group_moves.pair_round(start.copy(), prof.copy(), memory))
+        for x, p, m in results[1:]:
+            assert m == results[0][2] and np.array_equal(x, results[0][0]) and np.array_equal(p, results[0][1])
+        x, _, m = results[0]
+        moved += m
+        if m and memory:  # memory kept: the moves are valid and gain
+            assert evaluate(flat, x) < evaluate(flat, start)
+    assert moved == 2
+
+
+@FAST
+@given(sparse_problems(max_nodes=30))
+def test_trws_terms_rebuilt_at_the_end_are_those_of_the_best_bound(problem):
+    """The reparametrised terms come from the best check's messages: they sum to the bound, and the bound is
+    the same with ``terms=False`` (which builds none)."""
+    flat = flatten(problem)
+    bound, node_terms, edge_terms = bounds.trws_bound(flat, passes=12)
+    assert bounds.trws_bound(flat, passes=12, terms=False) == (bound, None, None)
+    total = sum(float(t.min()) for t in edge_terms) + sum(float(t.min()) for t in node_terms)
+    assert total == bound
+    rng = np.random.default_rng(len(flat.costs))
+    compared = 0
+    for x in [np.zeros(flat.n, dtype=np.int64)] + [rng.integers(0, [len(c) for c in flat.costs]) for _ in range(20)]:
+        direct = sum(float(c[x[i]]) for i, c in enumerate(flat.costs)) + sum(
+            float(t[x[u], x[v]]) for t, u, v in zip(flat.tables, flat.eu, flat.ev))
+        if not math.isfinite(direct):
+            continue
+        # every assignment without a forbidden entry costs the same under the terms (memory relaxed)
+        under = sum(float(t[x[i]]) for i, t in enumerate(node_terms)) + sum(
+            float(t[x[u], x[v]]) for t, u, v in zip(edge_terms, flat.eu, flat.ev))
+        assert under == pytest.approx(direct, rel=1e-9, abs=1e-9)
+        compared += 1
+    assert compared  # the all-zero assignment is finite in these problems
+
+
+def test_diffusion_bound_stops_at_its_wall_limit():
+    """``dual_bound``'s net: with none left it stops after one sweep, below the bound of many sweeps."""
+    problem, _ = _planted_problem(150, seed=2)
+    flat = flatten(problem)
+    one = bounds.dual_bound(flat, iterations=1)
+    assert bounds.dual_bound(flat, iterations=200, wall_limit=0.0) == one
+    assert bounds.dual_bound(flat, iterations=200) > one  # so the net, not convergence, stopped it
+
+
+def test_a_solve_keeps_the_collector_off_the_heap_it_starts_with(monkeypatch):
+    """``frozen_heap``: objects alive on entry are frozen (``gc.freeze``) until the outermost block ends; a
+    solve runs inside one."""
+    import gc
+
+    seen = []
+    run = portfolio.Portfolio.run
+
+    def recording(self):
+        seen.append(gc.get_freeze_count())
+        return run(self)
+
+    monkeypatch.setattr(portfolio.Portfolio, "run", recording)
+    problem, _ = _planted_problem(40, seed=1)
+    assert gc.get_freeze_count() == 0
+    solve(problem, time_limit=0.5)
+    assert seen[-1] > 0 and gc.get_freeze_count() == 0
+    with portfolio.frozen_heap():
+        frozen = gc.get_freeze_count()
+        assert frozen > 0
+        solve(problem, time_limit=0.5)
+        assert gc.get_freeze_count() == frozen  # the inner block left the outer one's freeze alone
+    assert gc.get_freeze_count() == 0
