@@ -235,14 +235,14 @@ def trws_bound(
         value += sum(float(t.min()) for t in node_terms)
         return value, (node_terms if keep else None), edge_terms
 
-    # Per node and direction: (edge, message in, oriented table rows = this node); hats kept up to date.
+    # Per node and direction: (edge, this node is its u, neighbour, table); hats kept up to date. A table is
+    # read in its own layout from either end (no transposed copy: the sums and minima are the same).
     msgs = {True: to_v, False: to_u}  # is_u -> the list holding messages from u (to v) / from v (to u)
     plan: list[tuple[list, list]] = []
     for i in range(n):
         ahead, behind = [], []
         for e, j, is_u in flat.adj[i]:
-            table = tables[e] if is_u else np.ascontiguousarray(tables[e].T)
-            (ahead if j > i else behind).append((e, is_u, j, table))
+            (ahead if j > i else behind).append((e, is_u, j, tables[e]))
         plan.append((ahead, behind))
     hat = hats(to_u, to_v)
     # The best bound's messages (each pass replaces message arrays, never writes into them: a list copy keeps
@@ -263,7 +263,10 @@ def trws_bound(
             share = gamma[i] * hat[i]
             for e, is_u, j, table in send:
                 incoming = msgs[not is_u][e]  # the message j sent to i
-                m = ((share - incoming)[:, None] + table).min(axis=0)
+                if is_u:  # i's strategies are the table's rows
+                    m = ((share - incoming)[:, None] + table).min(axis=0)
+                else:
+                    m = (table + (share - incoming)[None, :]).min(axis=1)
                 m -= m.min()
                 out = msgs[is_u]
                 hat[j] += m - out[e]
