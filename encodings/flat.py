@@ -47,7 +47,7 @@ __all__ = ["Flat", "flatten", "evaluate", "profile", "tolerance", "subproblem", 
 INF = math.inf
 #: Deterministic charge (seconds) per node or edge visited by one Python pass (ICM sweep, evaluation).
 CHARGE_PER_ITEM = 1.5e-5
-#: ... and per edge-table entry that a pass of table work reads (a TRW-S message, a diffusion update): 1.2 to
+#: ... and per edge-table entry that a pass of table work reads (a TRW-S message, a diffusion update): 0.5 to
 #: 2.5 ns measured on planner problems with 0.2M to 17M entries (a three-axis mesh's tables hold a hundred
 #: or more strategies a side, where the entries cost more than the nodes and edges).
 CHARGE_PER_TABLE_ENTRY = 1.5e-9
