@@ -352,6 +352,7 @@ class Portfolio:
                 return self.infeasible()
             return self.finish(self.reduced.lift(x), "optimal", -math.inf)
         done = self.phase("lp", self.lp_relaxation)
+        self.probe = None  # the probe's terms (a copy of every table) serve only the LP
         if done is not None:
             return done
         if self.decision <= TINY_NODES:
