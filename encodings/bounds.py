@@ -55,20 +55,13 @@ import numpy as np
 
 from shardsolve.encodings.flat import Flat, evaluate, sweep_charge
 
-__all__ = ["trivial_bound", "dual_bound", "trws_bound", "trws_decode", "pruned_above", "lp_solve", "lp_bound",
-           "lagrangian_bound"]
+__all__ = ["trivial_bound", "dual_bound", "trws_bound", "trws_charge", "trws_pass_charge", "trws_decode",
+           "pruned_above", "lp_solve", "lp_bound", "lagrangian_bound"]
 
 #: LP bounds are only attempted up to this many pair variables.
 LP_MAX_PAIRS = 300_000
 #: TRW-S passes for the LP's Lagrangian certificate (``lagrangian_bound``), when the duals alone fall short.
 LP_TRWS_PASSES = 200
-
-
-def _finite_part(a: np.ndarray, big: float) -> np.ndarray:
-    """``a`` with its forbidden entries at ``big``: ``a`` itself (not a copy) where it has none."""
-    if len(a) and np.isfinite(a.max()) and np.isfinite(a.min()):
-        return a
-    return np.where(np.isfinite(a), a, big)
 
 
 def trivial_bound(flat: Flat) -> float:
@@ -78,18 +71,23 @@ def trivial_bound(flat: Flat) -> float:
     return total
 
 
-def _big(flat: Flat) -> float:
-    """A finite stand-in for forbidden entries (lowering costs keeps a bound valid)."""
-    top = 0.0
-    for a in (*flat.costs, *flat.tables):
-        if not len(a):
-            continue
-        high, low = float(a.max()), float(a.min())
-        if not (math.isfinite(high) and math.isfinite(low)):  # forbidden entries: the finite ones only
+def _finite_parts(flat: Flat) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """The costs and tables with every forbidden entry at one finite stand-in (lowering costs keeps a bound
+    valid): four times the summed largest magnitudes, plus one. An array without forbidden entries comes back
+    itself, not a copy; each array's extremes are read once."""
+    arrays = (*flat.costs, *flat.tables)
+    top, forbidden = 0.0, []
+    for a in arrays:
+        high, low = (float(a.max()), float(a.min())) if len(a) else (0.0, 0.0)
+        clean = math.isfinite(high) and math.isfinite(low)
+        if not clean:  # forbidden entries: the finite ones only
             f = a[np.isfinite(a)]
             high, low = (float(f.max()), float(f.min())) if len(f) else (0.0, 0.0)
+        forbidden.append(not clean)
         top += max(abs(high), abs(low))
-    return 4.0 * top + 1.0
+    big = 4.0 * top + 1.0
+    parts = [np.where(np.isfinite(a), a, big) if bad else a for a, bad in zip(arrays, forbidden)]
+    return parts[:len(flat.costs)], parts[len(flat.costs):]
 
 
 def dual_bound(flat: Flat, iterations: int = 20, wall_limit: float | None = None) -> float:
@@ -100,9 +98,9 @@ def dual_bound(flat: Flat, iterations: int = 20, wall_limit: float | None = None
     started = time.perf_counter()
     if flat.n == 0:
         return 0.0
-    big = _big(flat)
-    theta_n = [_finite_part(c, big).astype(np.float64) for c in flat.costs]
-    theta_e = [_finite_part(t, big).astype(np.float64) for t in flat.tables]
+    costs, tables = _finite_parts(flat)
+    theta_n = [c.astype(np.float64) for c in costs]  # copies: updated in place below
+    theta_e = [t.astype(np.float64) for t in tables]
 
     def value() -> float:
         return sum(float(c.min()) for c in theta_n) + sum(float(t.min()) for t in theta_e)
@@ -149,6 +147,11 @@ def trws_charge(flat: Flat, passes: int) -> float:
     return (TRWS_PASS_SWEEPS * passes + TRWS_SETUP_SWEEPS) * sweep_charge(flat)
 
 
+def trws_pass_charge(flat: Flat) -> float:
+    """Deterministic charge (seconds) of one more TRW-S pass (``trws_charge`` without the setup)."""
+    return TRWS_PASS_SWEEPS * sweep_charge(flat)
+
+
 def trws_bound(
     flat, passes: int = 60, target: float = math.inf, decoded: list | None = None, *,
     wall_limit: float | None = None, final_only: bool = False, decode_every: int = 0, ran: list | None = None,
@@ -191,9 +194,7 @@ def trws_bound(
     """
     started = time.perf_counter()
     n = flat.n
-    big = _big(flat)
-    costs = [_finite_part(c, big) for c in flat.costs]
-    tables = [_finite_part(t, big) for t in flat.tables]
+    costs, tables = _finite_parts(flat)
     eu = [int(u) for u in flat.eu]
     ev = [int(v) for v in flat.ev]
     to_v = [np.zeros(len(costs[v])) for v in ev]  # message u -> v, over v's strategies

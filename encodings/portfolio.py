@@ -440,7 +440,7 @@ class Portfolio:
         reparametrised costs) for ``pruned_by_probe``.
         """
         flat, stats = self.flat, self.stats
-        per_pass = trws_pass_charge(flat)
+        per_pass = bounds.trws_pass_charge(flat)
         passes = int(min(PROBE_PASSES, PROBE_SHARE * self.budget / per_pass))
         if passes < PROBE_DECODE_EVERY:
             return None
@@ -604,7 +604,7 @@ class Portfolio:
         """Where the LP was too big: TRW-S (memory relaxed; unless the probe ran as many passes), and min-sum
         diffusion where cheap; the larger."""
         flat, stats = self.flat, self.stats
-        if self.budget < 2 * trws_pass_charge(flat):  # not even two passes left: the trivial bound stands
+        if self.budget < 2 * bounds.trws_pass_charge(flat):  # not even two passes left: the trivial bound stands
             return
         passes = trws_passes(flat, min(self.total_budget, 2.0 * max(0.0, self.budget)))
         if passes > self.probe_passes:
@@ -716,13 +716,8 @@ class Portfolio:
             self.stats[key] = self.stats.get(key, 0) + value if summed else value
 
 
-def trws_pass_charge(flat: Flat) -> float:
-    """Deterministic charge (seconds) of one TRW-S pass (``bounds.trws_charge``, its setup left out)."""
-    return bounds.TRWS_PASS_SWEEPS * sweep_charge(flat)
-
-
 def trws_passes(flat: Flat, budget: float) -> int:
-    """TRW-S passes that fit ``TRWS_SHARE`` (``TRWS_SHARE_LARGE``) of ``budget`` (``trws_pass_charge`` a pass)."""
-    per_pass = trws_pass_charge(flat)
+    """TRW-S passes that fit ``TRWS_SHARE`` (``TRWS_SHARE_LARGE``) of ``budget`` (``bounds.trws_pass_charge`` a pass)."""
+    per_pass = bounds.trws_pass_charge(flat)
     share = TRWS_SHARE_LARGE if flat.n > LARGE_NODES else TRWS_SHARE
     return int(max(2, min(TRWS_PASSES, share * budget / per_pass)))

@@ -63,9 +63,8 @@ import numpy as np
 # ``solve`` is called through the package so that a stand-in for it (tests/lower_cases.py) also plans tied problems
 from shardsolve import encodings
 from shardsolve.encodings import portfolio
-from shardsolve.encodings.bounds import pruned_above, trws_bound, trws_charge
+from shardsolve.encodings.bounds import pruned_above, trws_bound, trws_charge, trws_pass_charge
 from shardsolve.encodings.flat import evaluate, flatten
-from shardsolve.encodings.portfolio import trws_pass_charge
 from shardsolve.encodings.presolve import ENTRY_CHARGE, Reduced, component_labels, reduce
 from shardsolve.errors import InfeasibleError, Interrupted
 from shardsolve.problem import FORBIDDEN, Edge, Node, Problem, Solution
@@ -345,7 +344,7 @@ def untied_bound(
        is quick.
 
     ``time_limit`` covers both: the passes are at most ``BOUND_PASS_SHARE`` of
-    it (``portfolio.trws_pass_charge`` a pass), the pruned solve gets the
+    it (``bounds.trws_pass_charge`` a pass), the pruned solve gets the
     rest (less ``bounds.trws_charge`` of the passes run), where that covers reducing its tables
     (``presolve.ENTRY_CHARGE`` an entry; else the TRW-S bound is returned). ``wall_limit``: the wall-clock
     net in seconds from the call, shared the same way (default the solver's, ``1.05 * time_limit + 1``);
