@@ -342,8 +342,8 @@ def _within_compiled_memory(graph: Graph, built: Built, solution, mesh: MeshSpec
     see (reshard temporaries, XLA's own buffers), and not in proportion, so the
     limit the solver sees is searched: first ``limit`` itself, then the
     compiled overshoot taken off, then halving the interval between the
-    largest limit known to be too loose and the smallest known to fit (or to be
-    infeasible in the model), for at most ``MEMORY_ROUNDS`` solves (``time_limit``
+    largest limit known to fit (or to be infeasible in the model) and the
+    smallest known to be too loose, for at most ``MEMORY_ROUNDS`` solves (``time_limit``
     is the whole call's: each solve here gets its later share). Where the
     solver finds no plan under ``limit`` at all, the model's overestimate on
     the plan without the limit (planned minus compiled peak) is tried first.
