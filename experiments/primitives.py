@@ -83,7 +83,7 @@ def _spd():
     return a @ a.T + 8 * jnp.eye(8)
 
 
-# Sample programs for primitives without a rule: planned and lowered, numerics checked.
+# Sample programs of primitives that fall back, or have a rule of their own family: planned and lowered, numerics checked.
 SAMPLES = {
     "cond": (lambda x: lax.cond(x.sum() > 0, jnp.sin, jnp.cos, x), (_x(16, 8),)),
     "while": (lambda x: lax.while_loop(lambda c: c[1] < 3, lambda c: (c[0] * 2.0, c[1] + 1), (x, 0))[0], (_x(16, 8),)),
@@ -146,7 +146,8 @@ def main() -> int:
         else:
             verdict, note = "fallback", "operands replicated, reported in plan.fallbacks"
         if name in SAMPLES:
-            note = f"{note}; {check(*SAMPLES[name])}"
+            checked = check(*SAMPLES[name])
+            note = f"{note}; {checked}" if note else checked
         elif name == "psum":
             note = f"{note}; checked"
         rows.append((name, module, verdict, note))

@@ -43,6 +43,15 @@ def b1(*shape: int) -> jax.ShapeDtypeStruct:
 
 _take_along = lambda x, i: jnp.take_along_axis(x, i, axis=-1)  # noqa: E731
 
+
+def _conv(x, w, stride: int, padding: str, groups: int = 1):
+    return lax.conv_general_dilated(x, w, (stride, stride), padding, dimension_numbers=("NHWC", "HWIO", "NHWC"),
+                                    feature_group_count=groups)
+
+
+def _pool(x, init, op):
+    return lax.reduce_window(x, init, op, (1, 2, 2, 1), (1, 2, 2, 1), "VALID")
+
 CASES: list[Case] = [
     # elementwise
     Case("add", lambda a, b: a + b, (f32(8, 4), f32(8, 4)), "add", family="elementwise"),
@@ -151,6 +160,22 @@ CASES: list[Case] = [
         int_range=(-1, 9),
         family="indexing",
     ),
+    # windows: convolutions (NHWC images, HWIO kernels), pools and the max pool's gradient
+    Case("conv_same", lambda x, w: _conv(x, w, 1, "SAME"), (f32(8, 4, 4, 8), f32(3, 3, 8, 8)), "conv_general_dilated", family="window"),
+    Case("conv_strided", lambda x, w: _conv(x, w, 2, "SAME"), (f32(8, 4, 4, 8), f32(3, 3, 8, 8)), "conv_general_dilated", family="window"),
+    Case("conv_1x1_strided", lambda x, w: _conv(x, w, 2, "VALID"), (f32(8, 8, 8, 8), f32(1, 1, 8, 8)), "conv_general_dilated", family="window"),
+    Case("conv_patches", lambda x, w: _conv(x, w, 2, "VALID"), (f32(2, 16, 16, 2), f32(2, 2, 2, 8)), "conv_general_dilated", family="window"),
+    Case("conv_input_grad", jax.grad(lambda x, w: _conv(x, w, 2, "SAME").sum()), (f32(8, 4, 4, 8), f32(3, 3, 8, 8)), "conv_general_dilated", index=1, family="window"),
+    Case("conv_kernel_grad", jax.grad(lambda w, x: _conv(x, w, 1, "SAME").sum()), (f32(3, 3, 8, 8), f32(8, 4, 4, 8)), "conv_general_dilated", index=1, family="window"),
+    Case("conv_grouped", lambda x, w: _conv(x, w, 1, "SAME", groups=4), (f32(8, 4, 4, 16), f32(3, 3, 4, 16)), "conv_general_dilated", family="window"),
+    Case("conv_depthwise", lambda x, w: _conv(x, w, 1, "SAME", groups=8), (f32(8, 4, 4, 8), f32(3, 3, 1, 8)), "conv_general_dilated", family="window"),
+    Case("conv_uneven", lambda x, w: _conv(x, w, 1, "SAME"), (f32(6, 4, 4, 6), f32(3, 3, 6, 10)), "conv_general_dilated", family="window"),
+    Case("conv_nchw", lambda x, w: lax.conv(x, w, (1, 1), "SAME"), (f32(8, 8, 4, 4), f32(8, 8, 3, 3)), "conv_general_dilated", family="window"),
+    Case("max_pool", lambda x: _pool(x, -jnp.inf, lax.max), (f32(8, 8, 8, 8),), "reduce_window_max", family="window"),
+    Case("min_pool", lambda x: _pool(x, jnp.inf, lax.min), (f32(8, 8, 8, 8),), "reduce_window_min", family="window"),
+    Case("sum_pool", lambda x: _pool(x, 0.0, lax.add), (f32(8, 8, 8, 8),), "reduce_window_sum", family="window"),
+    Case("sum_pool_overlapping", lambda x: lax.reduce_window(x, 0.0, lax.add, (1, 3, 3, 1), (1, 1, 1, 1), "SAME"), (f32(8, 4, 4, 8),), "reduce_window_sum", family="window"),
+    Case("max_pool_grad", jax.grad(lambda x: (_pool(x, -jnp.inf, lax.max) ** 2).sum()), (f32(8, 8, 8, 8),), "select_and_scatter_add", family="window"),
 ]
 
 MESHES = ("x=8", "a=2,b=4", "a=2,b=2,c=2")

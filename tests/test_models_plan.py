@@ -14,7 +14,7 @@ from shardsolve.sharding import Sharding
 # scan_transformer is planned and lowered the same way in test_scan.py. With only the batch pinned the
 # small models' plans all-gather and little else; the expert (Megatron) pins make them all-reduce and
 # reduce-scatter partial sums, so the lowering's reductions are checked too.
-MODELS = ["mlp.py:mlp", "gpt2.py:gpt2", "gpt2.py:gpt2_adam", "llama.py:llama", "moe.py:moe",
+MODELS = ["mlp.py:mlp", "gpt2.py:gpt2", "gpt2.py:gpt2_adam", "llama.py:llama", "moe.py:moe", "cnn.py:cnn",
           "mlp.py:mlp expert", "gpt2.py:gpt2 expert"]
 
 
@@ -32,6 +32,7 @@ def test_model_plan_matches_unsharded(models_dir, name):
     if annotations == "expert":
         assert {k for k, _ in plan.cost.bytes_by_kind} & {"all-reduce", "reduce-scatter"}
     assert plan.status in ("optimal", "feasible")
+    assert not plan.fallbacks, plan.fallbacks  # every primitive of the bundled models has a rule
     # Annotations are respected exactly.
     from shardsolve.annotations import broadcast_annotations
 

@@ -437,6 +437,14 @@ SAMPLE_PROGRAMS = {
     "scatter-add": (lambda w, t, u: w.at[t].add(u), (_f32(16, 8), _i32(4), _f32(4, 8))),
     "optimization_barrier": (lax.optimization_barrier, (_f32(8, 4),)),
     "device_put": (lambda a: jax.device_put(a), (_f32(8, 4),)),
+    "conv_general_dilated": (lambda x, w: lax.conv(x, w, (1, 1), "SAME"), (_f32(8, 4, 6, 6), _f32(8, 4, 3, 3))),
+    "reduce_window_sum": (lambda x: lax.reduce_window(x, 0.0, lax.add, (1, 2), (1, 2), "VALID"), (_f32(8, 8),)),
+    "reduce_window_max": (lambda x: lax.reduce_window(x, -jnp.inf, lax.max, (1, 2), (1, 2), "VALID"), (_f32(8, 8),)),
+    "reduce_window_min": (lambda x: lax.reduce_window(x, jnp.inf, lax.min, (1, 2), (1, 2), "VALID"), (_f32(8, 8),)),
+    "select_and_scatter_add": (
+        jax.grad(lambda x: lax.reduce_window(x, -jnp.inf, lax.max, (1, 2), (1, 2), "VALID").sum()),
+        (_f32(8, 8),),
+    ),
 }
 # Names this JAX does not emit (older or newer spellings): an operation written by hand.
 SAMPLE_VIEWS = {
@@ -499,3 +507,80 @@ def test_rule_for_reuses_rules_of_repeated_equations():
     op = view("dot_general", [(8, 4), (4, 8)], [(8, 8)], {"dimension_numbers": (((1,), (0,)), ((), ()))})
     again = view("dot_general", [(8, 4), (4, 8)], [(8, 8)], {"dimension_numbers": (((1,), (0,)), ((), ()))})
     assert rule_for(op) is rule_for(again)
+
+
+# -- windows -----------------------------------------------------------------
+
+_NHWC = ("NHWC", "HWIO", "NHWC")
+
+
+def _conv(stride: int, padding: str, groups: int = 1):
+    return lambda x, w: lax.conv_general_dilated(x, w, (stride, stride), padding, dimension_numbers=_NHWC,
+                                                 feature_group_count=groups)
+
+
+def test_conv_splits_batch_and_features_and_replicates_halo_dims():
+    got = traced(_conv(1, "SAME"), jnp.ones((16, 8, 8, 4)), jnp.ones((3, 3, 4, 8)), primitive="conv_general_dilated")
+    assert got == (
+        "([i, j, k, l], [m, n, l, o])->([i, p, q, o]) {i=16, j=8, k=8, l=4, m=3, n=3, o=8, p=8, q=8} "
+        "reduction={l} need_replication={j, k, m, n, p, q} linear={(0), (1)}"
+    )
+
+
+def test_conv_whose_windows_tile_splits_spatial_dims():
+    # a patch embedding: 2x2 windows of stride 2, no padding; the input's spatial dims are [patch, offset]
+    got = traced(_conv(2, "VALID"), jnp.ones((2, 8, 8, 3)), jnp.ones((2, 2, 3, 16)), primitive="conv_general_dilated")
+    assert got == (
+        "([i, jk, lm, n], [k, m, n, o])->([i, j, l, o]) {i=2, j=4, k=2, l=4, m=2, n=3, o=16} "
+        "reduction={k, m, n} need_replication={k, m} linear={(0), (1)}"
+    )
+
+
+def test_grouped_conv_shares_the_group_factor():
+    got = traced(_conv(1, "SAME", groups=4), jnp.ones((8, 4, 4, 8)), jnp.ones((3, 3, 2, 12)),
+                 primitive="conv_general_dilated")
+    assert got == (
+        "([i, j, k, lm], [n, o, m, lp])->([i, q, r, lp]) {i=8, j=4, k=4, l=4, m=2, n=3, o=3, p=3, q=4, r=4} "
+        "reduction={m} need_replication={j, k, n, o, q, r} linear={(0), (1)}"
+    )
+
+
+def test_conv_kernel_gradient_contracts_the_batch():
+    fn = jax.grad(lambda w, x: _conv(1, "SAME")(x, w).sum())
+    eqn = find_equation(fn, jnp.ones((3, 3, 4, 8)), jnp.ones((16, 8, 8, 4)), primitive="conv_general_dilated",
+                        index=1)
+    rule = rule_for(op_view(eqn))
+    (batch,) = rule.reduction
+    assert rule.size(batch) == 16 and batch not in rule.need_replication
+
+
+def test_batch_grouped_conv_falls_back():
+    x, w = jnp.ones((8, 4, 4, 4)), jnp.ones((3, 3, 4, 4))
+    fn = lambda x, w: lax.conv_general_dilated(x, w, (1, 1), "SAME", dimension_numbers=_NHWC,  # noqa: E731
+                                               batch_group_count=2)
+    assert rule_for(op_view(find_equation(fn, x, w, primitive="conv_general_dilated"))) is None
+
+
+def test_conv_flops_count_only_taps_on_real_input():
+    # 3x3 SAME over 4x4: per spatial dim 4*3 - 2 border taps read padding
+    x, w = jnp.ones((2, 4, 4, 3)), jnp.ones((3, 3, 3, 5))
+    rule = rule_for(op_view(find_equation(_conv(1, "SAME"), x, w, primitive="conv_general_dilated")))
+    compiled = jax.jit(_conv(1, "SAME")).lower(x, w).compile().cost_analysis()
+    compiled = compiled[0] if isinstance(compiled, (list, tuple)) else compiled
+    assert rule.flops == 2 * 2 * 5 * 3 * 10 * 10 == compiled["flops"]
+
+
+def test_pools_tile_or_replicate():
+    pool = lambda x: lax.reduce_window(x, -jnp.inf, lax.max, (1, 2, 2, 1), (1, 2, 2, 1), "VALID")  # noqa: E731
+    assert traced(pool, jnp.ones((4, 8, 8, 2)), primitive="reduce_window_max") == (
+        "([i, jk, lm, n])->([i, j, l, n]) {i=4, j=4, k=2, l=4, m=2, n=2} need_replication={k, m}"
+    )
+    overlapping = lambda x: lax.reduce_window(x, 0.0, lax.add, (1, 3, 3, 1), (1, 1, 1, 1), "SAME")  # noqa: E731
+    assert traced(overlapping, jnp.ones((4, 8, 8, 2)), primitive="reduce_window_sum") == (
+        "([i, j, k, l])->([i, m, n, l]) {i=4, j=8, k=8, l=2, m=8, n=8} need_replication={j, k, m, n} linear={(0)}"
+    )
+    grad = jax.grad(lambda x: pool(x).sum())
+    assert traced(grad, jnp.ones((4, 8, 8, 2)), primitive="select_and_scatter_add") == (
+        "([i, j, k, l], [i, jm, kn, l])->([i, jm, kn, l]) {i=4, j=4, k=4, l=2, m=2, n=2} need_replication={m, n} "
+        "linear={(0)}"
+    )

@@ -23,7 +23,9 @@ The others:
   ``FILL_OR_DROP`` fill values are written by one device of the partial group;
 - ``scatter-add`` with a split indexed dimension drops updates outside the
   shard's rows; when its index batch factors are split, one device of each
-  group keeps the operand and the others start from zeros.
+  group keeps the operand and the others start from zeros;
+- ``conv_general_dilated`` with split groups convolves the local ones
+  (``feature_group_count`` from the local shapes).
 
 Uneven splits: a dimension split into parts that do not divide it arrives
 padded to ``ceil(n / shards)`` per shard, the padding past its end holding
@@ -345,6 +347,16 @@ def _scatter_add(call: LocalCall, operands: list) -> list:
     return call.bind([operand, indices, updates], **changes)
 
 
+def _conv(call: LocalCall, operands: list) -> list:
+    """A grouped convolution convolves the local groups: the local input features over the kernel's per group."""
+    groups = call.op.params.get("feature_group_count", 1)
+    if groups == 1:
+        return call.bind(operands)
+    dn = call.op.params["dimension_numbers"]
+    lhs, rhs = operands
+    return call.bind(operands, feature_group_count=lhs.shape[dn.lhs_spec[1]] // rhs.shape[dn.rhs_spec[1]])
+
+
 KERNELS: dict[str, Kernel] = {
     "sharding_constraint": _layout_only,
     "device_put": _layout_only,
@@ -357,4 +369,5 @@ KERNELS: dict[str, Kernel] = {
     "gather": _gather,
     "scatter-add": _scatter_add,
     "scatter_add": _scatter_add,
+    "conv_general_dilated": _conv,
 }
