@@ -166,6 +166,18 @@ class ScanNodes:
                               for group in (self.const, self.carry, self.xs, self.ys, self.body_consts)))
 
 
+@dataclass(frozen=True, slots=True, eq=False)
+class MergeTerm:
+    """One terminal read whose collective XLA may merge with the others of its key (``share_merged_latency``)."""
+
+    key: tuple  # (kind, mesh axes, reduction)
+    value: int
+    producer: int  # node
+    forced: np.ndarray  # [producer strategies]: every layout the reader may take needs the collective
+    edge: tuple[int, int]  # the read's edge, as the problem stores it
+    latency: np.ndarray  # on that edge (its orientation): the latency where the reader's strategy decides
+
+
 @dataclass
 class Built:
     problem: Problem
@@ -176,13 +188,43 @@ class Built:
     scans: dict[Scope, ScanNodes] = field(default_factory=dict)  # scope (scan op ids) -> nodes
     # The problem's edges without ``share_merged_latency``'s optimistic discounts (None: it made none).
     plain_edges: tuple[Edge, ...] | None = None
+    merge_terms: tuple[MergeTerm, ...] = ()  # the reads those discounts were taken from
 
     def plain(self) -> Built:
         """This problem with the edges that pay every latency merging may not save (itself if none)."""
         if self.plain_edges is None:
             return self
         return dataclasses.replace(self, problem=dataclasses.replace(self.problem, edges=self.plain_edges),
-                                   plain_edges=None)
+                                   plain_edges=None, merge_terms=())
+
+    def merge_counts(self, assignment: Sequence[int]) -> dict[tuple, int]:
+        """Per merge key, how many terminal values ``assignment`` reduces with a collective of that key."""
+        running: dict[tuple, set[int]] = {}
+        for t in self.merge_terms:
+            u, v = t.edge
+            if t.forced[assignment[t.producer]] or t.latency[assignment[u], assignment[v]] > 0:
+                running.setdefault(t.key, set()).add(t.value)
+        return {key: len(values) for key, values in running.items()}
+
+    def priced_for(self, counts: dict[tuple, int]) -> Built:
+        """This problem with each key's merged latency shared by ``counts[key]`` collectives (missing: 1).
+
+        ``share_merged_latency`` shares it between every terminal value of a
+        key, as if all of them were reduced; given the counts a plan has
+        (``merge_counts``), the shares are those of that plan: exact for it,
+        and a key that plan reduces once gets no discount.
+        """
+        if self.plain_edges is None:
+            return self
+        discount: dict[tuple[int, int], np.ndarray] = {}
+        for t in self.merge_terms:
+            m = min(counts.get(t.key, 1), COMBINE_COUNT)
+            if m > 1:
+                rest = t.latency * (1 - 1 / m)
+                discount[t.edge] = discount[t.edge] + rest if t.edge in discount else rest
+        edges = tuple(Edge(e.u, e.v, np.where(e.costs < FORBIDDEN, e.costs - discount[(e.u, e.v)], e.costs))
+                      if (e.u, e.v) in discount else e for e in self.plain_edges)
+        return dataclasses.replace(self, problem=dataclasses.replace(self.problem, edges=edges))
 
     def sharding(self, idx: int, assignment: Sequence[int]) -> Sharding:
         """The sharding node ``idx`` (an argument, constant, output or scan boundary node) takes."""
@@ -350,6 +392,7 @@ class ProblemBuilder:
         self.uneven_arguments: set[int] = set()  # arguments with a candidate that splits them unevenly
         self.reads: list[Read] = []  # the program's reads (scope ()), for ``share_merged_latency``
         self.plain_edges: dict[tuple[int, int], np.ndarray] | None = None
+        self.merge_terms: list[MergeTerm] = []
 
     def build(self, in_pins: Pins, out_pins: Pins, memory_limit: float | None = None,
               ties: Sequence[tuple[int, int]] = ()) -> Built:
@@ -368,7 +411,8 @@ class ProblemBuilder:
         if self.plain_edges is not None:
             plain = tuple(Edge(u, v, np.minimum(self.plain_edges.get((u, v), c), FORBIDDEN))
                           for (u, v), c in self.edges.items())
-        return Built(problem, self.infos, self.op_node, self.value_node, self.output_node, self.scans, plain)
+        return Built(problem, self.infos, self.op_node, self.value_node, self.output_node, self.scans, plain,
+                     tuple(self.merge_terms) if plain is not None else ())
 
     # -- nodes and edges ---------------------------------------------------------------
 
@@ -448,8 +492,10 @@ class ProblemBuilder:
         * where the reader's strategy decides whether the collective runs (it
           may take another layout instead), the edge pays ``1/m`` of the
           latency, ``m`` the number of terminal values (optimistic: as if all
-          merged). The undiscounted edges are kept (``plain_edges``): the
-          planner solves those too when the optimism cost the plan.
+          merged). The undiscounted edges are kept (``plain_edges``), and
+          each such read (``merge_terms``): when the optimism cost the plan,
+          the planner prices the merges again with the counts its plan has
+          (``Built.priced_for``) and solves that, then the plain problem.
 
         The plan's price of its own collectives (``plan.combined_latencies``)
         follows the merges of the plan it gets.
@@ -470,6 +516,7 @@ class ProblemBuilder:
             for key, table in lat.items():
                 terminal.setdefault(key, []).append((r, allowed, table))
         optimistic: dict[tuple[int, int], np.ndarray] = {}
+        self.merge_terms = []
         for key, reads in terminal.items():
             merging = len({r.value for r, _, _ in reads})
             if merging < 2:
@@ -489,10 +536,12 @@ class ProblemBuilder:
                                        NodeInfo("merged", -1))
                     self.add_edge(r.producer, aux, np.stack([np.where(forced, FORBIDDEN, 0.0), np.zeros(len(forced))], 1))
                     self._discount(r, np.where(forced[:, None] & allowed, np.where(forced, once, 0.0)[:, None], 0.0))
-                rest = np.where(forced[:, None] | ~allowed, 0.0, table * (1 - 1 / m))
-                if rest.any():
-                    k = (r.producer, r.to) if (r.producer, r.to) in edges else (r.to, r.producer)
-                    rest = rest if k == (r.producer, r.to) else rest.T
+                decided = np.where(forced[:, None] | ~allowed, 0.0, table)
+                k = (r.producer, r.to) if (r.producer, r.to) in edges else (r.to, r.producer)
+                decided = decided if k == (r.producer, r.to) else decided.T
+                self.merge_terms.append(MergeTerm(key, r.value, r.producer, forced, k, decided))
+                if decided.any():
+                    rest = decided * (1 - 1 / m)
                     optimistic[k] = optimistic[k] + rest if k in optimistic else rest
         self.plain_edges = dict(edges) if optimistic else None
         for k, rest in optimistic.items():

@@ -270,10 +270,11 @@ MEMORY_ROUNDS = 4  # solves at most, the first included
 #: part of the rest; with ``logical_rules`` the reference solve without the ties gets ``LOGICAL_FREE_SHARE``.
 FIRST_SOLVE_SHARE = 0.5
 LOGICAL_FREE_SHARE = 0.3
-OPTIMISM = 0.005  # how much optimistic pricing of merged collectives may cost a plan before the plain problem is solved
-#: ... and the optimistic solve's share of the time limit where the plain one may follow (it starts from a
-#: problem whose layers prove alike, and usually ends in a fraction of a second).
-OPTIMISTIC_SHARE = 0.7
+OPTIMISM = 0.005  # how much a problem's pricing of merged collectives may cost its plan before another is solved
+#: ... and the shares of the time limit of the problems solved in turn where the first's optimism costs more:
+#: all terminal reductions merged, merged as the first plan merges them (``Built.priced_for``), none merged
+#: (the later ones start from problems whose layers prove alike, and usually end in a fraction of a second).
+MERGE_SHARES = (0.6, 0.2, 0.2)
 
 
 class SolvingNet:
@@ -446,11 +447,14 @@ def _solve(built: Built, time_limit: float | None, seed: int, tie: bool, say: Ca
     Where the problem prices merged collectives optimistically
     (``Built.plain_edges``, see ``build.share_merged_latency``) and ``price``
     (a solution's step time as the plan counts it) says the optimism cost more
-    than ``OPTIMISM`` of it, the problem with every latency paid is solved too,
-    and the faster plan kept. Such a problem's solves get ``OPTIMISTIC_SHARE``
-    of ``time_limit`` and the rest, the first whether or not the second runs (so
-    the plan does not depend on the clock). Under a memory limit only the plain problem
-    is solved, with the whole limit.
+    than ``OPTIMISM`` of it, two more problems are solved in turn: the merges
+    priced as that plan makes them (``Built.priced_for`` its
+    ``merge_counts``), then, where that one's pricing is off by more than
+    ``OPTIMISM`` too, the problem with every latency paid; the plan with the
+    least price is kept. The solves get the ``MERGE_SHARES`` of ``time_limit``,
+    each whether or not the next runs (so the plan does not depend on the
+    clock). Under a memory limit only the plain problem is solved, with the
+    whole limit.
     """
     if built.plain_edges is not None and built.problem.usage_limit is not None:
         # Under a memory limit the search needs its whole time (and the compiled-memory search its
@@ -458,28 +462,43 @@ def _solve(built: Built, time_limit: float | None, seed: int, tie: bool, say: Ca
         return search_once(built.plain(), time_limit, seed, tie, say)
     if price is None or built.plain_edges is None:
         return search_once(built, time_limit, seed, tie, say)
-    first, second = _share(time_limit, OPTIMISTIC_SHARE), _share(time_limit, 1 - OPTIMISTIC_SHARE)
-    solution = search_once(built, first, seed, tie, say)
+    shares = iter(MERGE_SHARES)
+    solution = search_once(built, _share(time_limit, next(shares)), seed, tie, say)
     if not _found(solution):
         return solution
     exact = price(solution)
-    optimism = (exact - solution.cost) / exact if exact > 0 else 0.0
+    optimism = _optimism(solution, exact)
     solution = dataclasses.replace(solution, stats=dict(solution.stats) | {"merge_optimism": optimism})
     if optimism <= OPTIMISM:
         return solution
-    if say:
-        say(f"merged collectives priced optimistically cost the plan {optimism:.1%}: solving with every latency "
-            "paid too")
-    try:
-        plain = search_once(built.plain(), second, seed, tie, say)
-    except KeyboardInterrupt as interrupt:  # the first solve's plan is complete; keep the better of the two
-        interrupt = _as_interrupted(interrupt)
-        if interrupt.solution is None or not price(interrupt.solution) < exact:
-            interrupt.solution = dataclasses.replace(solution, status="interrupted")
-        raise interrupt from None
-    if _found(plain) and price(plain) < exact:
-        return dataclasses.replace(plain, stats=dict(plain.stats) | {"merge_pricing": "plain"})
-    return solution
+    best, best_price = solution, exact
+    counts, priced = built.merge_counts(solution.assignment), "optimistically"
+    for pricing, problem, what in (("as planned", built.priced_for(counts), "the merges that plan makes"),
+                                   ("plain", built.plain(), "every latency paid")):
+        if say:
+            say(f"merged collectives priced {priced} cost the plan {optimism:.1%}: solving with {what}")
+        priced = pricing
+        try:
+            found = search_once(problem, _share(time_limit, next(shares)), seed, tie, say)
+        except KeyboardInterrupt as interrupt:  # the plans found so far are complete; keep the best
+            interrupt = _as_interrupted(interrupt)
+            if interrupt.solution is None or not price(interrupt.solution) < best_price:
+                interrupt.solution = dataclasses.replace(best, status="interrupted")
+            raise interrupt from None
+        if not _found(found):
+            continue
+        exact = price(found)
+        if exact < best_price:
+            best, best_price = dataclasses.replace(found, stats=dict(found.stats) | {"merge_pricing": pricing}), exact
+        optimism = _optimism(found, exact)
+        if optimism <= OPTIMISM:
+            break
+    return best
+
+
+def _optimism(solution, exact: float) -> float:
+    """How far below the plan's own price ``exact`` a solution's objective put it (a fraction of ``exact``)."""
+    return (exact - solution.cost) / exact if exact > 0 else 0.0
 
 
 def _as_interrupted(interrupt: KeyboardInterrupt) -> Interrupted:
