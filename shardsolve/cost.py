@@ -58,9 +58,17 @@ from shardsolve.mesh import MeshAxis, MeshSpec
 from shardsolve.sharding import Sharding
 
 
+LOCAL_STEPS = ("slice", "relabel")  # reshard steps that move no data between devices
+
+
 @dataclass(frozen=True, slots=True)
 class ReshardStep:
-    """One step of a resharding: a collective, or a local ``slice`` (no communication).
+    """One step of a resharding: a collective, a local ``slice``, or a ``relabel`` (neither: see below).
+
+    A ``relabel`` adds or drops mesh axes of size 1, which change neither a
+    device's shard nor who holds it: ``P(("data", "model"))`` on a mesh with
+    ``data=1`` is ``P("model")``, and a sum pending over a group of one device
+    is complete.
 
     ``src`` and ``dst`` are the value's shardings before and after the step.
     ``dim`` is the dimension gathered/scattered/sliced (for all-to-all: the
@@ -69,7 +77,7 @@ class ReshardStep:
     the step's input and output buffers.
     """
 
-    kind: str  # all-gather, all-reduce, reduce-scatter, all-to-all, collective-permute, or slice
+    kind: str  # all-gather, all-reduce, reduce-scatter, all-to-all, collective-permute, slice or relabel
     axes: tuple[str, ...]
     bytes: int
     src: Sharding
@@ -79,7 +87,7 @@ class ReshardStep:
 
     @property
     def is_collective(self) -> bool:
-        return self.kind != "slice"
+        return self.kind not in LOCAL_STEPS
 
 
 # -- collectives and compute ---------------------------------------------------------
@@ -113,7 +121,7 @@ FREE = CollectiveCost(0.0, 0, 1, 1.0, 0.0)
 @functools.lru_cache(maxsize=1 << 14)
 def collective_cost(kind: str, axes: tuple[str, ...], mesh: MeshSpec) -> CollectiveCost:
     """The ``CollectiveCost`` of a ``kind`` collective over ``axes`` (``FREE`` for a slice or a group of one)."""
-    if kind == "slice" or not axes:
+    if kind in LOCAL_STEPS or not axes:
         return FREE
     n = mesh.group_size(axes)
     if n <= 1:
@@ -266,6 +274,17 @@ def _build_template(shape: tuple[int, ...], src: Sharding, dst: Sharding, mesh: 
     shape = tuple(shape)
     if src == dst:
         return ()
+    bare_src, bare_dst = without_unit_axes(src, mesh), without_unit_axes(dst, mesh)
+    if (bare_src, bare_dst) != (src, dst):
+        # Axes of size 1 move nothing: relabel them away, reshard what is left, relabel them back.
+        if bare_src == bare_dst:
+            return (("relabel", (), ("local", src), src, dst, None, None),)
+        inner = _build_template(shape, bare_src, bare_dst, mesh)
+        if inner is None:
+            return None
+        head = (("relabel", (), ("local", src), src, bare_src, None, None),) if src != bare_src else ()
+        tail = (("relabel", (), ("local", dst), bare_dst, dst, None, None),) if dst != bare_dst else ()
+        return head + inner + tail
     if set(dst.partial) - set(src.partial):
         return None
     if dst.partial and src.reduce_op != dst.reduce_op:
@@ -277,6 +296,15 @@ def _build_template(shape: tuple[int, ...], src: Sharding, dst: Sharding, mesh: 
     walk.slices()
     assert walk.state(()) == dst, (src, dst, walk.state(()))
     return tuple(walk.steps)
+
+
+def without_unit_axes(s: Sharding, mesh: MeshSpec) -> Sharding:
+    """``s`` without the mesh axes of size 1 (on its dimensions and among its partial axes)."""
+    if all(mesh.axis(a).size > 1 for a in s.axes + s.partial):
+        return s
+    dims = tuple(tuple(a for a in d if mesh.axis(a).size > 1) for d in s.dims)
+    partial = tuple(a for a in s.partial if mesh.axis(a).size > 1)
+    return Sharding(dims, partial, s.reduce_op if partial else "sum")
 
 
 class _StepWalk:

@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from jax.sharding import PartitionSpec as P
 
 import shardsolve
-from shardsolve.cost import reshard_steps
+from shardsolve.cost import collective_time, reshard_steps, reshard_time
 from shardsolve.errors import ShardsolveError
 from shardsolve.hlo import collectives_from_hlo, inventory
 from shardsolve.lower import PartitionedValue, attribution, lower
@@ -172,6 +172,51 @@ def test_attribution_reads_scopes():
 
 def _model(spec: str):
     return shardsolve.load_model(str(ROOT / spec), "small")
+
+
+UNIT_MESH = MeshSpec.parse("data=1,model=8")
+
+
+@pytest.mark.parametrize(
+    "src, dst, kinds",
+    [
+        # the same shards: "data" has one device
+        (Sharding((("data", "model"), ())), Sharding((("model",), ())), ["relabel"]),
+        (Sharding(((), ()), ("data",)), Sharding(((), ())), ["relabel"]),
+        # what is left of the axes moves as it would without "data"
+        (Sharding((("data", "model"), ())), Sharding(((), ())), ["relabel", "all-gather"]),
+        (Sharding(((), ()), ("data", "model")), Sharding((("data", "model"), ())),
+         ["relabel", "reduce-scatter", "relabel"]),
+    ],
+)
+def test_axes_of_size_one_reshard_for_free(src, dst, kinds):
+    """Axes of size 1 change no device's shard: the steps relabel them and price only what the others move."""
+    x = np.arange(8 * 16, dtype=np.float32).reshape(8, 16)
+    steps = reshard_steps(x.shape, 4, src, dst, UNIT_MESH)
+    assert [s.kind for s in steps] == kinds
+    moved = [s for s in steps if s.is_collective]
+    assert all("data" not in s.axes for s in moved)
+    assert reshard_time(x.shape, 4, src, dst, UNIT_MESH) == pytest.approx(
+        sum(collective_time(s.kind, s.axes, s.bytes, UNIT_MESH) for s in moved))
+    out, found = _run_reshard(x, src, dst, UNIT_MESH)
+    np.testing.assert_array_equal(out, x)
+    assert sorted(c.kind for c in found) == sorted(s.kind for s in moved)
+
+
+def test_a_pin_on_an_axis_of_size_one_costs_no_collective():
+    """The batch pinned over ("data", "model") with data=1 is split over "model": no gather before the matmul."""
+    w = jnp.arange(16 * 8, dtype=jnp.float32).reshape(16, 8) / 100
+
+    def f(x, w):
+        return jnp.tanh(x @ w)
+
+    x = jnp.arange(32 * 16, dtype=jnp.float32).reshape(32, 16) / 300
+    pinned = P(("data", "model"))
+    plan = shardsolve.plan(f, x, w, mesh="data=1,model=8", in_shardings=(pinned, P()), out_shardings=pinned)
+    assert not plan.collectives, plan.collectives
+    outcome = check_lowering(plan, (x, w))
+    assert outcome.numerics_ok, outcome.max_rel
+    assert outcome.collectives_ok and not outcome.lowered, outcome.lowered
 
 
 def test_mlp_plan_lowers_exactly_and_verifies():
