@@ -47,6 +47,7 @@ MODELS = {
     "llama": "models/llama.py:llama",
     "moe": "models/moe.py:moe",
     "scan_transformer": "models/scan_transformer.py:scan_transformer",
+    "cnn": "models/cnn.py:cnn",
 }
 
 

@@ -37,22 +37,30 @@ MODELS = {
     "llama": "models/llama.py:llama",
     "moe": "models/moe.py:moe",
     "scan_transformer": "models/scan_transformer.py:scan_transformer",
+    "cnn": "models/cnn.py:cnn",
 }
 MESHES = ("data=1,model=8", "data=2,model=4", "data=2,fsdp=2,model=2")
 
 
 def adapt(tree, mesh_names: tuple[str, ...]):
-    """Put the batch over ``("data", "fsdp")`` when the mesh has an ``fsdp`` axis (leaves other entries alone)."""
+    """Put ``"data"`` entries over ``("data", "fsdp")`` when the mesh has an ``fsdp`` axis (``("data", "model")`` too)."""
     import jax
     from jax.sharding import PartitionSpec as P
 
     if "fsdp" not in mesh_names or tree is None:
         return tree
 
+    def entry(e):
+        if e == "data":
+            return ("data", "fsdp")
+        if isinstance(e, tuple) and "data" in e:
+            return tuple(a for x in e for a in (("data", "fsdp") if x == "data" else (x,)))
+        return e
+
     def one(spec):
         if not isinstance(spec, P):
             return spec
-        return P(*[("data", "fsdp") if e == "data" else e for e in spec])
+        return P(*[entry(e) for e in spec])
 
     return jax.tree.map(one, tree, is_leaf=lambda x: x is None or isinstance(x, P))
 
