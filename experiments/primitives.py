@@ -3,11 +3,14 @@
     python experiments/primitives.py          # writes experiments/results/primitives.md
 
 The primitives are enumerated from JAX's own ``Primitive`` objects (``jax.lax``,
-``jax.lax.linalg`` and every module under ``jax._src.lax``), plus the call
+``jax.lax.linalg``, every module under ``jax._src.lax`` and ``jax._src.random``), plus the call
 primitives ``trace`` inlines. Each gets one verdict:
 
 * ``rule``: ``shardsolve.rules.RULES`` has a factor rule for it;
 * ``inlined``: ``trace`` inlines its body (``jit``, ``custom_jvp/vjp``, ``remat``);
+* ``key data``: a PRNG primitive ``trace`` runs on key data (``random_bits``,
+  ``random_split``, ...): the traced program holds the key implementation's
+  own ``uint32`` computation instead;
 * ``planned body``: ``scan``, whose body is planned once;
 * ``fallback``: no rule; the planner replicates its operands and reports it in
   ``plan.fallbacks`` (and ``shardsolve plan`` prints "N fell back to replication");
@@ -43,7 +46,7 @@ from lower_cases import check_lowering  # noqa: E402
 import shardsolve  # noqa: E402
 from shardsolve.errors import ShardsolveError  # noqa: E402
 from shardsolve.rules import RULES  # noqa: E402
-from shardsolve.trace import INLINED  # noqa: E402
+from shardsolve.trace import INLINED, KEY_DATA  # noqa: E402
 
 MESH = "data=2,model=4"
 OUT = Path(__file__).resolve().parent / "results" / "primitives.md"
@@ -52,6 +55,12 @@ OUT = Path(__file__).resolve().parent / "results" / "primitives.md"
 def primitives() -> dict[str, str]:
     """name -> the module that defines it, for every Primitive object under jax.lax."""
     modules = ["jax.lax", "jax.lax.linalg"] + sorted(f"jax._src.lax.{m.name}" for m in pkgutil.walk_packages(lax_src.__path__))
+    try:
+        import jax._src.random as random_src
+
+        modules += sorted(f"jax._src.random.{m.name}" for m in pkgutil.walk_packages(random_src.__path__))
+    except ImportError:  # PRNG internals moved
+        pass
     found: dict[str, str] = {}
     for name in modules:
         try:
@@ -85,6 +94,13 @@ def _spd():
 
 # Sample programs of primitives that fall back, or have a rule of their own family: planned and lowered, numerics checked.
 SAMPLES = {
+    # dropout with a legacy uint32 key: random_wrap, random_bits, threefry2x32, iota_2x32_shape
+    "random_bits": (lambda x, key: jnp.where(jax.random.bernoulli(key, 0.75, x.shape), x, 0.0),
+                    (_x(16, 8), jax.random.PRNGKey(3))),
+    "random_split": (lambda x, seed: x * jax.random.normal(jax.random.split(jax.random.key(seed))[1], x.shape),
+                     (_x(16, 8), jnp.int32(4))),
+    "random_fold_in": (lambda x, seed: x + jax.random.uniform(jax.random.fold_in(jax.random.key(seed), 2), x.shape),
+                       (_x(16, 8), jnp.int32(4))),
     "cond": (lambda x: lax.cond(x.sum() > 0, jnp.sin, jnp.cos, x), (_x(16, 8),)),
     "while": (lambda x: lax.while_loop(lambda c: c[1] < 3, lambda c: (c[0] * 2.0, c[1] + 1), (x, 0))[0], (_x(16, 8),)),
     "conv_general_dilated": (lambda x, k: lax.conv_general_dilated(x, k, (1, 1), "SAME"), (_x(8, 3, 8, 8), _x(4, 3, 3, 3))),
@@ -139,6 +155,8 @@ def main() -> int:
             verdict, note = "rule", ""
         elif name in INLINED:
             verdict, note = "inlined", "its body is traced in place"
+        elif name in KEY_DATA:
+            verdict, note = "key data", "run on key data by trace"
         elif name == "scan":
             verdict, note = "planned body", "body planned once, costs times the trip count"
         elif name in NAMED_AXIS:
@@ -151,9 +169,10 @@ def main() -> int:
         elif name == "psum":
             note = f"{note}; checked"
         rows.append((name, module, verdict, note))
-    counts = {v: sum(1 for r in rows if r[2] == v) for v in ("rule", "inlined", "planned body", "fallback", "unsupported")}
+    verdicts = ("rule", "inlined", "key data", "planned body", "fallback", "unsupported")
+    counts = {v: sum(1 for r in rows if r[2] == v) for v in verdicts}
     lines = [
-        "# Every jax.lax primitive accounted for",
+        "# Every jax.lax and jax.random primitive accounted for",
         "",
         f"Written by `python experiments/primitives.py` with JAX {jax.__version__}: {len(rows)} primitives, "
         + ", ".join(f"{n} {v}" for v, n in counts.items()) + ".",

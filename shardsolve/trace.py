@@ -6,6 +6,14 @@ by a small interpreter that steps into their bodies, and the interpreter is
 traced again with ``jax.make_jaxpr``. Control flow (``scan``, ``while``,
 ``cond``) stays as one structured equation each.
 
+PRNG keys (``jax.random.key``, and the keys ``jax.random.PRNGKey`` data is
+wrapped into inside ``jax.random`` calls) become their key data: the
+interpreter runs ``random_bits``, ``random_split``, ``random_fold_in`` and
+``random_seed`` as the key implementation's own computation on ``uint32``
+data (``threefry2x32`` and bit operations), and slices, reshapes and
+broadcasts of key arrays on that data with its trailing key dimensions. The
+traced program then holds ordinary arrays only, and computes the same bits.
+
     >>> import jax, jax.numpy as jnp
     >>> t = trace(lambda x: jax.jit(jnp.sin)(x) * 2, jax.ShapeDtypeStruct((4,), jnp.float32))
     >>> [e.primitive.name for e in t.jaxpr.eqns]
@@ -98,8 +106,94 @@ def _source_context(eqn):
         return contextlib.nullcontext()
 
 
+#: PRNG primitives ``trace`` runs on key data (see the module doc); slices, reshapes and the like of key arrays too.
+KEY_DATA = frozenset({"random_seed", "random_bits", "random_split", "random_fold_in", "random_wrap",
+                      "random_unwrap", "random_clone"})
+
+
+def key_impl(aval: Any) -> Any:
+    """The PRNG implementation of a key-typed aval (``key<fry>[...]``), or None for any other."""
+    dtype = getattr(aval, "dtype", None)
+    if dtype is None or not jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+        return None
+    return dtype._impl
+
+
+def _prng():
+    try:
+        from jax._src.random import prng
+    except ImportError:  # private API moved
+        try:
+            from jax._src import prng
+        except ImportError:
+            raise ShardsolveError("this JAX release keeps its PRNG implementation where shardsolve cannot reach "
+                                  "it: pass random bits (or masks) to the function instead of keys") from None
+    return prng
+
+
+def _inlined_call(fn: Callable, args: list) -> list:
+    """``fn(*args)`` with the nested calls it makes (the key implementation jits its own) inlined too."""
+    closed = jax.make_jaxpr(fn)(*args)
+    return eval_inlined(closed.jaxpr, closed.consts, *args)
+
+
+def _on_key_data(eqn, invals: list) -> list | None:
+    """``eqn`` run on key data (see the module doc), or None when it touches no key array."""
+    in_impls = [key_impl(v.aval) for v in eqn.invars]
+    out_impls = [key_impl(v.aval) for v in eqn.outvars]
+    name, params = eqn.primitive.name, eqn.params
+    if name in ("random_wrap", "random_unwrap", "random_clone"):  # key data either way
+        return [invals[0]]
+    if not any(in_impls) and not any(out_impls):
+        return None
+    prng = _prng()
+    impl = in_impls[0] or out_impls[0]
+    keys = eqn.invars[0].aval
+    if name == "random_bits":
+        return _inlined_call(lambda k: prng.random_bits_impl_base(impl, k, keys.ndim, bit_width=params["bit_width"],
+                                                                  shape=params["shape"]), invals)
+    if name == "random_split":
+        return _inlined_call(lambda k: prng.random_split_impl_base(impl, k, keys.ndim, shape=params["shape"]), invals)
+    if name == "random_fold_in":
+        return _inlined_call(lambda k, m: prng.random_fold_in_impl_base(impl, k, m, keys.shape), invals)
+    if name == "random_seed":
+        return _inlined_call(lambda s: prng.random_seed_impl_base(s, impl=params["impl"]), invals)
+    trailing = tuple(impl.key_shape)
+    k = len(trailing)
+    x = invals[0]
+    if name in ("copy", "copy_p", "optimization_barrier") and len(invals) == 1:
+        return [x]
+    if name == "slice":
+        strides = params["strides"] or (1,) * keys.ndim
+        return [jax.lax.slice(x, tuple(params["start_indices"]) + (0,) * k,
+                              tuple(params["limit_indices"]) + trailing, tuple(strides) + (1,) * k)]
+    if name == "squeeze":
+        return [jax.lax.squeeze(x, params["dimensions"])]
+    if name == "reshape" and params.get("dimensions") is None:
+        return [jax.lax.reshape(x, tuple(params["new_sizes"]) + trailing)]
+    if name == "broadcast_in_dim" and len(invals) == 1:
+        out = eqn.outvars[0].aval
+        dims = tuple(params["broadcast_dimensions"]) + tuple(range(out.ndim, out.ndim + k))
+        return [jax.lax.broadcast_in_dim(x, tuple(out.shape) + trailing, dims)]
+    if name == "transpose":
+        perm = tuple(params["permutation"])
+        return [jax.lax.transpose(x, perm + tuple(range(len(perm), len(perm) + k)))]
+    if name == "concatenate":
+        return [jax.lax.concatenate(invals, params["dimension"])]
+    if name == "dynamic_slice":
+        sizes = tuple(params["slice_sizes"]) + trailing
+        return [jax.lax.dynamic_slice(x, list(invals[1:]) + [0] * k, sizes)]
+    raise ShardsolveError(
+        f"{name} on a PRNG key array ({eqn.invars[0].aval.str_short() if eqn.invars else 'key'}) is not supported: "
+        "pass the keys' data (jax.random.key_data) or the random bits themselves into this part of the program"
+    )
+
+
 def eval_inlined(jaxpr: Any, consts: Sequence[Any], *args: Any) -> list[Any]:
-    """Evaluate an open jaxpr, stepping into nested calls instead of binding them."""
+    """Evaluate an open jaxpr, stepping into nested calls instead of binding them.
+
+    Key arrays are carried as their key data (see the module doc).
+    """
     env: dict[Any, Any] = {}
 
     def read(v):
@@ -117,6 +211,8 @@ def eval_inlined(jaxpr: Any, consts: Sequence[Any], *args: Any) -> list[Any]:
                 # ordinary arguments of the body: nothing to split off.
                 body, body_consts = _inner(eqn)
                 outvals = eval_inlined(body, body_consts, *invals)
+            elif (on_data := _on_key_data(eqn, invals)) is not None:
+                outvals = on_data
             else:
                 outvals = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(eqn.params))
                 if not eqn.primitive.multiple_results:
@@ -227,6 +323,12 @@ def trace(fun: Callable, *args: Any) -> Traced:
         raise ShardsolveError(f"expected a function to plan, got {type(fun).__name__}")
     abstract = jax.tree_util.tree_map(abstractify, args)
     leaves, in_tree = jax.tree_util.tree_flatten(abstract)
+    for name, leaf in zip(leaf_names(in_tree, "args"), leaves):
+        if key_impl(leaf) is not None:
+            raise ShardsolveError(
+                f"{name} is a typed PRNG key array ({leaf.dtype}{list(leaf.shape)}): pass its data instead, "
+                "jax.random.key_data(key), and rebuild the key inside the function with jax.random.wrap_key_data"
+            )
     try:
         nested, out_shape = jax.make_jaxpr(fun, return_shape=True)(*abstract)
     except ShardsolveError:
@@ -234,6 +336,12 @@ def trace(fun: Callable, *args: Any) -> Traced:
     except Exception as e:
         raise ShardsolveError(f"tracing the function failed: {type(e).__name__}: {str(e).splitlines()[0]}") from e
     out_tree = jax.tree_util.tree_structure(out_shape)
+    for name, leaf in zip(leaf_names(out_tree, "outputs"), jax.tree_util.tree_leaves(out_shape)):
+        if key_impl(leaf) is not None:
+            raise ShardsolveError(
+                f"{name} is a typed PRNG key array ({leaf.dtype}{list(leaf.shape)}): return its data instead, "
+                "jax.random.key_data(key)"
+            )
 
     def flat(*flat_args):
         return eval_inlined(nested.jaxpr, nested.consts, *flat_args)

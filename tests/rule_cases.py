@@ -29,6 +29,17 @@ class Case:
     family: str = field(default="")
 
 
+def prng_counters(shape: tuple[int, ...]):
+    """``iota_2x32_shape``: the counters ``jax.random`` hashes (reached only through JAX's PRNG internals)."""
+    from jax._src.random.prng import iota_2x32_shape
+
+    return iota_2x32_shape(shape)
+
+
+def u32(*shape: int) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(shape, jnp.uint32)
+
+
 def f32(*shape: int) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(shape, jnp.float32)
 
@@ -91,6 +102,8 @@ CASES: list[Case] = [
     Case("rev", lambda a: a[:, ::-1], (f32(8, 4),), "rev", family="structural"),
     Case("concatenate", lambda a, b: jnp.concatenate([a, b], 1), (f32(8, 4), f32(8, 2)), "concatenate", family="structural"),
     Case("split", lambda a: jnp.split(a, 2, axis=1), (f32(8, 4),), "split", family="structural"),
+    Case("stack", lambda a, b: jnp.stack([a, b], 1), (f32(8, 4), f32(8, 4)), "stack", family="structural"),
+    Case("unstack", lambda a: jax.lax.unstack(a, 1), (f32(8, 2, 4),), "unstack", family="structural"),
     Case("dynamic_slice", lambda a, i: lax.dynamic_slice(a, (0, i), (8, 2)), (f32(8, 4), i32()), "dynamic_slice", family="structural"),
     Case(
         "dynamic_update_slice",
@@ -101,6 +114,8 @@ CASES: list[Case] = [
     ),
     Case("iota", lambda a: a + lax.broadcasted_iota(jnp.int32, (8, 4), 0), (i32(8, 4),), "iota", family="structural"),
     Case("iota_minor", lambda a: a + lax.broadcasted_iota(jnp.int32, (4, 8), 1), (i32(4, 8),), "iota", family="structural"),
+    Case("iota_2x32_shape", lambda a: a + prng_counters((8, 4, 6))[1], (u32(8, 4, 6),), "iota_2x32_shape",
+         family="structural"),
     # contraction
     Case("matmul", lambda a, b: a @ b, (f32(8, 4), f32(4, 8)), "dot_general", family="contraction"),
     Case("batch_matmul", lambda a, b: jnp.einsum("bmk,bkn->bmn", a, b), (f32(2, 4, 8), f32(2, 8, 4)), "dot_general", family="contraction"),

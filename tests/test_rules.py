@@ -16,6 +16,7 @@ from shardsolve.rules import RULES, fallback_rule, rule_for
 from shardsolve.rules.base import Rule
 from shardsolve.rules.structural import factorize_reshape
 from shardsolve.rules.validate import find_equation, op_view
+from rule_cases import prng_counters
 
 F32 = jnp.float32
 
@@ -166,6 +167,12 @@ def test_pad_rev_split_dynamic_slices():
     )
     assert traced(lambda x: jnp.split(x, 2, axis=1), jnp.ones((8, 4)), primitive="split") == (
         "([i, j])->([i, k], [i, l]) {i=8, j=4, k=2, l=2} need_replication={j, k, l} linear={(0)}"
+    )
+    assert traced(lambda x, y: jnp.stack([x, y], axis=1), jnp.ones((8, 4)), jnp.ones((8, 4)), primitive="stack") == (
+        "([i, j], [i, j])->([i, k, j]) {i=8, j=4, k=2} need_replication={k} linear={(0, 1)}"
+    )
+    assert traced(lambda x: lax.unstack(x, axis=1), jnp.ones((8, 2, 4)), primitive="unstack") == (
+        "([i, j, k])->([i, k], [i, k]) {i=8, j=2, k=4} need_replication={j} linear={(0)}"
     )
     assert traced(lambda x, i: lax.dynamic_slice(x, (0, i), (8, 2)), jnp.ones((8, 4)), 1, primitive="dynamic_slice") == (
         "([i, j], [], [])->([i, k]) {i=8, j=4, k=2} need_replication={j, k} linear={(0)}"
@@ -409,10 +416,13 @@ SAMPLE_PROGRAMS = {
     "squeeze": (lambda a: a[:, 0], (_f32(8, 1),)),
     "concatenate": (lambda a, b: jnp.concatenate([a, b], axis=1), (_f32(8, 4), _f32(8, 4))),
     "split": (lambda a: jnp.split(a, 2, axis=1), (_f32(8, 4),)),
+    "stack": (lambda a, b: jnp.stack([a, b], axis=1), (_f32(8, 4), _f32(8, 4))),
+    "unstack": (lambda a: lax.unstack(a, axis=1), (_f32(8, 2),)),
     "slice": (lambda a: a[2:6], (_f32(8, 4),)),
     "pad": (lambda a: jnp.pad(a, ((1, 1), (0, 0))), (_f32(8, 4),)),
     "rev": (lambda a: a[::-1], (_f32(8, 4),)),
     "iota": (lambda: lax.iota(jnp.int32, 8), ()),
+    "iota_2x32_shape": (lambda: prng_counters((8, 4)), ()),
     "dynamic_slice": (lambda a, i: lax.dynamic_slice_in_dim(a, i, 2), (_f32(8, 4), _i32())),
     "dynamic_update_slice": (lambda a, u, i: lax.dynamic_update_slice_in_dim(a, u, i, 0),
                              (_f32(8, 4), _f32(2, 4), _i32())),

@@ -13,7 +13,8 @@ shards through. For ``broadcast_in_dim`` of ``f32[8] -> f32[8, 4]`` under
 ``[{}, {x}]`` on ``x=2`` the local call is ``broadcast_in_dim(shape=(8, 2))``.
 The others:
 
-- ``iota`` adds the shard's offset along a split ``dimension``;
+- ``iota`` adds the shard's offset along a split ``dimension``; ``iota_2x32_shape``
+  (the PRNG's counters) computes its elements' global flat indices;
 - ``slice``/``dynamic_slice`` take the whole local extent of passed-through dims;
 - ``dynamic_update_slice`` writes in place unless another operation reads
   its operand's buffer (``in_place=False``): then it selects the update,
@@ -206,6 +207,24 @@ def _iota(call: LocalCall, operands: list) -> list:
     return [jnp.asarray(out)]
 
 
+def _iota_2x32_shape(call: LocalCall, operands: list) -> list:
+    """The flat indices of the shard's elements in the global array (they fit in the low word: see the rule)."""
+    import jax
+    import jax.numpy as jnp
+
+    shape, local = call.op.out_shapes[0], call.out_local_shape()
+    flat = jnp.zeros(local, jnp.uint32)
+    stride = 1
+    for d in reversed(range(len(shape))):
+        index = jax.lax.broadcasted_iota(jnp.uint32, local, d)
+        axes = call.strategy.results[0].dims[d]
+        if axes:
+            index = index + (call.shard_index(axes) * local[d]).astype(jnp.uint32)
+        flat = flat + index * jnp.uint32(stride)
+        stride *= shape[d]
+    return [jnp.zeros(local, jnp.uint32), flat]
+
+
 def _slice(call: LocalCall, operands: list) -> list:
     local = operands[0].shape
     limits = list(call.op.params["limit_indices"])
@@ -363,6 +382,7 @@ KERNELS: dict[str, Kernel] = {
     "broadcast_in_dim": _broadcast_in_dim,
     "reshape": _reshape,
     "iota": _iota,
+    "iota_2x32_shape": _iota_2x32_shape,
     "slice": _slice,
     "dynamic_slice": _dynamic_slice,
     "dynamic_update_slice": _dynamic_update_slice,

@@ -233,6 +233,25 @@ def split_rule(op: OpView) -> Rule:
     return b.build([in_f], results, linear=LINEAR0)
 
 
+def stack_rule(op: OpView) -> Rule:
+    # stack is linear in all operands together, as concatenate: stack(A1 + A2, B1 + B2) = stack(A1, B1) + stack(A2, B2)
+    b = RuleBuilder()
+    axis = op.params["axis"]
+    out = op.out_shapes[0]
+    out_f = [b.new(n, replicate=d == axis) for d, n in enumerate(out)]
+    operand = [f for d, f in enumerate(out_f) if d != axis]
+    return b.build([operand] * len(op.in_shapes), [out_f], linear=(tuple(range(len(op.in_shapes))),))
+
+
+def unstack_rule(op: OpView) -> Rule:
+    # unstack is linear: each piece of A1 + A2 is the sum of the pieces
+    b = RuleBuilder()
+    axis = op.params["axis"]
+    in_f = [b.new(n, replicate=d == axis) for d, n in enumerate(op.in_shapes[0])]
+    piece = [f for d, f in enumerate(in_f) if d != axis]
+    return b.build([in_f], [piece] * len(op.out_shapes), linear=LINEAR0)
+
+
 def dynamic_slice_rule(op: OpView) -> Rule:
     # dynamic_slice is linear in the operand: (A1 + A2)[i:] = A1[i:] + A2[i:]
     b = RuleBuilder()
@@ -266,6 +285,20 @@ def iota_rule(op: OpView) -> Rule:
     return b.build([[] for _ in op.in_shapes], [b.fresh_dims(op.out_shapes[0])])
 
 
+def iota_2x32_shape_rule(op: OpView) -> Rule | None:
+    """The PRNG's counters: each element's flat (row-major) index, as high and low 32-bit words.
+
+    Any split works (``run_local`` adds each shard's offsets), where the flat
+    index fits in the low word; a larger array falls back.
+    """
+    shape = op.out_shapes[0]
+    if math.prod(shape) >= 2**32:
+        return None
+    b = RuleBuilder()
+    dims = b.fresh_dims(shape)
+    return b.build([], [dims, dims])
+
+
 RULES: dict[str, Callable[[OpView], Rule | None]] = {
     "broadcast_in_dim": broadcast_in_dim_rule,
     "reshape": reshape_rule,
@@ -277,7 +310,10 @@ RULES: dict[str, Callable[[OpView], Rule | None]] = {
     "rev": rev_rule,
     "concatenate": concatenate_rule,
     "split": split_rule,
+    "stack": stack_rule,
+    "unstack": unstack_rule,
     "dynamic_slice": dynamic_slice_rule,
     "dynamic_update_slice": dynamic_update_slice_rule,
     "iota": iota_rule,
+    "iota_2x32_shape": iota_2x32_shape_rule,
 }

@@ -1,0 +1,101 @@
+"""Programs that draw random numbers: dropout in a training step plans, runs and lowers like any other.
+
+``jax.random`` works on typed key arrays (``key<fry>[]``) even when the caller
+passes legacy ``uint32[2]`` keys; ``trace`` carries every key as its key data,
+so the planned program holds ordinary arrays and draws the same bits.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+from lower_cases import check_lowering
+
+import shardsolve
+from shardsolve.errors import ShardsolveError
+from shardsolve.trace import key_impl, trace
+
+MESH = "data=2,model=4"
+
+
+def _dropout_step(w, x, key):
+    """One SGD step of a two-layer MLP with dropout on the hidden layer."""
+
+    def loss(w):
+        h = jnp.tanh(x @ w["a"])
+        keep = jax.random.bernoulli(key, 0.75, h.shape)
+        h = jnp.where(keep, h / 0.75, 0.0)
+        return jnp.mean((h @ w["b"]) ** 2)
+
+    value, grads = jax.value_and_grad(loss)(w)
+    return jax.tree.map(lambda p, g: p - 0.1 * g, w, grads), value
+
+
+def _args():
+    k1, k2 = jax.random.split(jax.random.PRNGKey(1))
+    w = {"a": jax.random.normal(k1, (16, 64)) / 4, "b": jax.random.normal(k2, (64, 8)) / 8}
+    x = jnp.arange(32 * 16, dtype=jnp.float32).reshape(32, 16) / 512
+    return w, x, jax.random.PRNGKey(7)
+
+
+def _no_key_types(traced) -> bool:
+    avals = [v.aval for e in traced.jaxpr.jaxpr.eqns for v in (*e.invars, *e.outvars)]
+    return not any(key_impl(a) for a in avals + list(traced.in_avals) + list(traced.out_avals))
+
+
+def test_dropout_with_a_legacy_key_plans_runs_and_lowers_exactly():
+    args = _args()
+    traced = trace(_dropout_step, *args)
+    assert _no_key_types(traced)
+    assert "threefry2x32" in {e.primitive.name for e in traced.jaxpr.jaxpr.eqns}
+    plan = shardsolve.plan(_dropout_step, *args, mesh=MESH, in_shardings=(None, P("data"), None), time_limit=10)
+    assert not plan.fallbacks, plan.fallbacks  # the counters and the hash have rules: the mask can be split
+    want = _dropout_step(*args)
+    for a, b in zip(jax.tree.leaves(plan.jit()(*args)), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+    outcome = check_lowering(plan, args, want)
+    assert outcome.numerics_ok, outcome.max_rel
+    assert outcome.collectives_ok, (outcome.predicted, outcome.lowered)
+
+
+def test_typed_keys_made_split_indexed_and_folded_inside_draw_the_same_bits():
+    def f(x, seed):
+        key = jax.random.key(seed)
+        keys = jax.random.split(key, 4)
+        a, b = keys[1], keys[2:].reshape(2)[0]
+        noise = jax.random.normal(jax.random.fold_in(a, 3), x.shape)
+        return x * noise + jax.random.uniform(b, x.shape[-1:])
+
+    x = jnp.arange(32 * 8, dtype=jnp.float32).reshape(32, 8)
+    seed = jnp.int32(5)
+    assert _no_key_types(trace(f, x, seed))
+    plan = shardsolve.plan(f, x, seed, mesh=MESH, in_shardings=(P("data"), None), time_limit=10)
+    outcome = check_lowering(plan, (x, seed))
+    assert outcome.numerics_ok, outcome.max_rel
+    assert outcome.collectives_ok, (outcome.predicted, outcome.lowered)
+    # the same bits: other bits would give other numbers, not last-place rounding
+    np.testing.assert_allclose(np.asarray(plan.jit()(x, seed)), np.asarray(f(x, seed)), rtol=1e-5)
+
+
+def test_a_typed_key_argument_is_refused_in_one_line():
+    x = jnp.ones((8, 8))
+    with pytest.raises(ShardsolveError, match=r"args\[1\] is a typed PRNG key array .*jax.random.key_data") as e:
+        shardsolve.plan(lambda x, k: x * jax.random.normal(k, x.shape), x, jax.random.key(0), mesh=MESH)
+    assert "\n" not in str(e.value)
+
+
+def test_a_key_array_through_control_flow_is_refused_in_one_line():
+    def f(x, seed):
+        def body(key, _):
+            key, sub = jax.random.split(key)
+            return key, jax.random.uniform(sub)
+
+        _, draws = jax.lax.scan(body, jax.random.key(seed), None, length=4)
+        return x * draws.sum()
+
+    with pytest.raises(ShardsolveError, match=r"scan on a PRNG key array .*key_data") as e:
+        shardsolve.plan(f, jnp.ones((8, 8)), jnp.int32(0), mesh=MESH)
+    assert "\n" not in str(e.value)
