@@ -178,6 +178,26 @@ class MergeTerm:
     latency: np.ndarray  # on that edge (its orientation): the latency where the reader's strategy decides
 
 
+def merge_discounts(terms: Sequence[MergeTerm], counts: dict[tuple, int]) -> dict[tuple[int, int], np.ndarray]:
+    """Per edge, the latency its terms save when ``counts[key]`` collectives of each key merge (missing: 1).
+
+    ``m`` merged collectives pay one latency between them: each term's edge
+    pays ``1/m`` of its own (at most ``COMBINE_COUNT`` merge into one).
+    """
+    discount: dict[tuple[int, int], np.ndarray] = {}
+    for t in terms:
+        m = min(counts.get(t.key, 1), COMBINE_COUNT)
+        if m > 1 and t.latency.any():
+            rest = t.latency * (1 - 1 / m)
+            discount[t.edge] = discount[t.edge] + rest if t.edge in discount else rest
+    return discount
+
+
+def discounted(costs: np.ndarray, drop: np.ndarray) -> np.ndarray:
+    """An edge's ``costs`` less ``drop``, forbidden entries left forbidden."""
+    return np.where(costs < FORBIDDEN, costs - drop, costs)
+
+
 @dataclass
 class Built:
     problem: Problem
@@ -216,14 +236,9 @@ class Built:
         """
         if self.plain_edges is None:
             return self
-        discount: dict[tuple[int, int], np.ndarray] = {}
-        for t in self.merge_terms:
-            m = min(counts.get(t.key, 1), COMBINE_COUNT)
-            if m > 1:
-                rest = t.latency * (1 - 1 / m)
-                discount[t.edge] = discount[t.edge] + rest if t.edge in discount else rest
-        edges = tuple(Edge(e.u, e.v, np.where(e.costs < FORBIDDEN, e.costs - discount[(e.u, e.v)], e.costs))
-                      if (e.u, e.v) in discount else e for e in self.plain_edges)
+        discount = merge_discounts(self.merge_terms, counts)
+        edges = tuple(Edge(e.u, e.v, discounted(e.costs, discount[(e.u, e.v)])) if (e.u, e.v) in discount else e
+                      for e in self.plain_edges)
         return dataclasses.replace(self, problem=dataclasses.replace(self.problem, edges=edges))
 
     def sharding(self, idx: int, assignment: Sequence[int]) -> Sharding:
@@ -515,13 +530,13 @@ class ProblemBuilder:
                 allowed = allowed & np.isin(np.arange(edge.shape[1]), pinned[r.to])
             for key, table in lat.items():
                 terminal.setdefault(key, []).append((r, allowed, table))
-        optimistic: dict[tuple[int, int], np.ndarray] = {}
         self.merge_terms = []
+        merging_by_key: dict[tuple, int] = {}
         for key, reads in terminal.items():
             merging = len({r.value for r, _, _ in reads})
             if merging < 2:
                 continue
-            m = min(merging, COMBINE_COUNT)
+            merging_by_key[key] = merging
             kind, axes, _ = key
             c = collective_cost(kind, axes, mesh)
             aux = None
@@ -540,12 +555,10 @@ class ProblemBuilder:
                 k = (r.producer, r.to) if (r.producer, r.to) in edges else (r.to, r.producer)
                 decided = decided if k == (r.producer, r.to) else decided.T
                 self.merge_terms.append(MergeTerm(key, r.value, r.producer, forced, k, decided))
-                if decided.any():
-                    rest = decided * (1 - 1 / m)
-                    optimistic[k] = optimistic[k] + rest if k in optimistic else rest
+        optimistic = merge_discounts(self.merge_terms, merging_by_key)  # as if every terminal value is reduced
         self.plain_edges = dict(edges) if optimistic else None
         for k, rest in optimistic.items():
-            edges[k] = np.where(edges[k] < FORBIDDEN, edges[k] - rest, edges[k])
+            edges[k] = discounted(edges[k], rest)
 
     def _discount(self, r: Read, drop: np.ndarray) -> None:
         """Take ``drop`` (producer strategies x reader strategies) off the edge of read ``r``."""
@@ -554,7 +567,7 @@ class ProblemBuilder:
             k = (r.producer, r.to)
         else:
             k, drop = (r.to, r.producer), drop.T
-        edges[k] = np.where(edges[k] < FORBIDDEN, edges[k] - drop, edges[k])
+        edges[k] = discounted(edges[k], drop)
 
     # -- arguments, constants, outputs, ties ---------------------------------------------
 
