@@ -16,7 +16,11 @@ measured peak memory per device (``batch`` setting only).
 
 Writes ``experiments/results/vs_propagation.md`` and ``.png`` and prints the
 ratios: shardsolve vs the better propagation (above 1: shardsolve faster), and
-shardsolve-at-the-expert's-memory vs the expert.
+shardsolve-at-the-expert's-memory vs the expert. Where the outside ruler
+``../shared/yardstick/yardstick.py`` is present, the same two ratios are also
+given as it prices the same compiled programs (per-device FLOPs with while
+bodies times their trips, one latency per collective, no HBM bytes), so the
+table shows where the two rulers rank plans differently.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+YARDSTICK = ROOT.parent / "shared" / "yardstick"
 RESULTS = ROOT / "experiments" / "results"
 MODELS = {
     "mlp": "models/mlp.py:mlp",
@@ -78,9 +83,43 @@ class Row:
         c = self.columns.get(name)
         return c.total if c is not None and c.ok else math.nan
 
-    def best_propagation(self) -> tuple[str, float]:
-        cands = [(n, self.total(n)) for n in ("gspmd", "shardy") if not math.isnan(self.total(n))]
+    def best_propagation(self, total=None) -> tuple[str, float]:
+        total = total or self.total
+        cands = [(n, total(n)) for n in ("gspmd", "shardy") if not math.isnan(total(n))]
         return min(cands, key=lambda x: x[1]) if cands else ("-", math.nan)
+
+    def yardstick(self, name: str) -> float:
+        """Seconds, as the outside ruler prices the column's compiled program (nan: no column, or no ruler)."""
+        c = self.columns.get(name)
+        return yardstick_seconds(c) if c is not None and c.ok and c.hlo else math.nan
+
+
+def yardstick_seconds(col) -> float:
+    """``yardstick.measure``'s step time of a compared column (nan where ``../shared/yardstick`` is absent).
+
+    The column keeps what the ruler reads of a compiled program: its optimized
+    HLO, ``memory_analysis()`` and FLOPs (less ``shardsolve.hlo``'s own while-loop
+    addition, which the ruler makes itself).
+    """
+    from types import SimpleNamespace
+
+    if not (YARDSTICK / "yardstick.py").exists():
+        return math.nan
+    if str(YARDSTICK) not in sys.path:
+        sys.path.insert(0, str(YARDSTICK))
+    import yardstick
+
+    from shardsolve.hlo import loop_adjustment
+
+    flops = col.flops - loop_adjustment(col.hlo)[0]
+    m = col.memory
+    compiled = SimpleNamespace(
+        cost_analysis=lambda: {"flops": flops},
+        as_text=lambda: col.hlo,
+        memory_analysis=lambda: SimpleNamespace(argument_size_in_bytes=m.argument, output_size_in_bytes=m.output,
+                                                temp_size_in_bytes=m.temp, alias_size_in_bytes=m.alias),
+    )
+    return yardstick.measure(compiled, 8)["step_s"]
 
 
 def run_one(model_name: str, spec: str, mesh: str, setting: str, size: str, time_limit: float, say) -> Row:
@@ -142,15 +181,39 @@ def _mib(c) -> str:
     return "-" if c is None or not c.ok else f"{c.peak_memory / 2**20:.2f}"
 
 
-def ratios(row: Row) -> tuple[float, float]:
-    """(best propagation / shardsolve, expert / shardsolve-at-expert-memory): above 1 means shardsolve is faster."""
-    _, best = row.best_propagation()
-    ss = row.total("shardsolve")
+def ratios(row: Row, total=None) -> tuple[float, float]:
+    """(best propagation / shardsolve, expert / shardsolve-at-expert-memory): above 1 means shardsolve is faster.
+
+    ``total(name)`` prices a column (default: ``Row.total``, the one cost model; ``Row.yardstick``: the ruler).
+    """
+    total = total or row.total
+    _, best = row.best_propagation(total)
+    ss = total("shardsolve")
     vs_prop = best / ss if ss and not math.isnan(ss) else math.nan
-    mem = row.total("shardsolve_mem")
-    exp = row.total("expert")
+    mem = total("shardsolve_mem")
+    exp = total("expert")
     vs_exp = exp / mem if mem and not math.isnan(mem) else math.nan
     return vs_prop, vs_exp
+
+
+def summary(rows: list[Row]) -> list[str]:
+    """One line per ruler: the geometric mean and the worst row of shardsolve vs the better propagation."""
+    out = []
+    for ruler, total in (("the one cost model", None), ("the yardstick", "yardstick")):
+        scored = [(ratios(r, getattr(r, total) if total else None)[0], r) for r in rows]
+        scored = [(x, r) for x, r in scored if not math.isnan(x) and x > 0]
+        if not scored:
+            continue
+        geo = math.exp(sum(math.log(x) for x, _ in scored) / len(scored))
+        worst, w = min(scored, key=lambda t: t[0])
+        at_least = sum(x >= 0.995 for x, _ in scored)
+        out.append(f"By {ruler}: geometric mean {geo:.2f}x the better of GSPMD/Shardy over {len(scored)} rows, "
+                   f"{at_least} at 1.00x or more; worst {worst:.2f}x ({w.model} {w.mesh} {w.setting}).")
+    return out
+
+
+def _ratio(x: float) -> str:
+    return "-" if math.isnan(x) else f"{x:.2f}"
 
 
 def write_markdown(rows: list[Row], path: Path, size: str) -> None:
@@ -161,18 +224,23 @@ def write_markdown(rows: list[Row], path: Path, size: str) -> None:
         "`cost_analysis()`, collectives parsed from the optimized HLO) and peak memory per device (MiB,",
         "`memory_analysis()`). `vs prop` = best of GSPMD/Shardy / shardsolve; `vs expert` = expert /",
         "shardsolve planned under the expert's measured memory (both: above 1 means shardsolve is faster).",
+        "`yardstick vs prop` / `yardstick vs expert`: the same ratios as `../shared/yardstick` prices the same",
+        "compiled programs (FLOPs at peak plus one latency per collective, no HBM bytes; `-` without it).",
         "",
         "| model | mesh | pinned | " + " | ".join(f"{label} ms" for _, label in COLS)
-        + " | " + " | ".join(f"{label} MiB" for _, label in COLS) + " | vs prop | vs expert | solver |",
-        "|" + "---|" * (3 + 2 * len(COLS) + 3),
+        + " | " + " | ".join(f"{label} MiB" for _, label in COLS)
+        + " | vs prop | vs expert | yardstick vs prop | yardstick vs expert | solver |",
+        "|" + "---|" * (3 + 2 * len(COLS) + 5),
     ]
     for r in rows:
         vp, ve = ratios(r)
+        yp, ye = ratios(r, r.yardstick)
         cells = [_fmt_ms(r.total(n)) for n, _ in COLS] + [_mib(r.columns.get(n)) for n, _ in COLS]
         lines.append(
             f"| {r.model} | {r.mesh} | {r.setting} | " + " | ".join(cells)
-            + f" | {'-' if math.isnan(vp) else f'{vp:.2f}'} | {'-' if math.isnan(ve) else f'{ve:.2f}'} | {r.plan_status or '-'} |"
+            + f" | {_ratio(vp)} | {_ratio(ve)} | {_ratio(yp)} | {_ratio(ye)} | {r.plan_status or '-'} |"
         )
+    lines[2:2] = summary(rows) + [""]
     errors = [(r, c) for r in rows for c in r.columns.values() if not c.ok]
     if errors:
         lines += ["", "Failed columns:", ""]
@@ -236,6 +304,7 @@ def main(argv=None) -> int:
                 print(f"{name:17s} {mesh:22s} {setting:6s} "
                       + " ".join(f"{n}={_fmt_ms(row.total(n))}" for n, _ in COLS)
                       + f"  shardsolve vs best propagation ({best_name}) {vp:.2f}x"
+                      + (f" (yardstick {ratios(row, row.yardstick)[0]:.2f}x)" if YARDSTICK.exists() else "")
                       + (f", vs expert at equal memory {ve:.2f}x" if not math.isnan(ve) else "")
                       + f"  [{row.seconds:.0f} s]", flush=True)
                 write_markdown(rows, out.with_suffix(".md"), args.size)  # an interrupted campaign keeps its rows

@@ -546,7 +546,7 @@ class ProblemBuilder:
                 if forced.any():
                     if aux is None:
                         aux = self.add(Node(f"merged {kind}{{{','.join(axes)}}}",
-                                            np.array([0.0, c.passes * c.latency * math.ceil(merging / COMBINE_COUNT)]),
+                                            np.array([0.0, c.latency * math.ceil(merging / COMBINE_COUNT)]),
                                             np.zeros(2), (self.horizon - 1, self.horizon), ("off", "on")),
                                        NodeInfo("merged", -1))
                     self.add_edge(r.producer, aux, np.stack([np.where(forced, FORBIDDEN, 0.0), np.zeros(len(forced))], 1))

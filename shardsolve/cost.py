@@ -7,12 +7,20 @@ comparison with GSPMD/Shardy. So "predicted == lowered" is checkable to the byte
 
 Collectives use the alpha-beta model on the mesh axes they span. For a group
 of ``n`` devices along axes ``A`` with per-link bandwidth ``bw = min_a bw_a``
-and latency ``alpha = sum_a alpha_a``, and ``B`` the bytes per device of the
-larger of the collective's input and output buffers:
+and start-up latency ``alpha = max_a alpha_a``, paid once per collective, and
+``B`` the bytes per device of the larger of the collective's input and output
+buffers:
 
-    all-gather, reduce-scatter, all-to-all:  alpha*(n-1) + B*(n-1)/n / bw
-    all-reduce:                              2 * (alpha*(n-1) + B*(n-1)/n / bw)
+    all-gather, reduce-scatter, all-to-all:  alpha + B*(n-1)/n / bw
+    all-reduce:                              alpha + 2 * B*(n-1)/n / bw
     collective-permute:                      alpha + B / bw
+
+This is the formula of the yardstick plans are judged with from outside
+(``shared/yardstick``: one latency per collective in the optimized HLO, the
+bandwidth term of a ring), so a plan ranks the same in both. One latency per
+collective rather than one per ring hop: XLA runs a collective as one
+operation, and a plan that splits one all-reduce over two axes into two
+(cheaper per hop) pays two start-ups.
 
 That formula lives in one place, ``CollectiveCost.time``; ``collective_time``
 prices one collective with it, ``reshard_time`` every step of a reshard, and
@@ -21,6 +29,9 @@ part of an axis, or irregular ones, priced as an axis of their size).
 
 Compute is roofline-style per device: ``max(flops/peak_flops, bytes/hbm_bw)``
 where flops and bytes are one device's share, so replicated work is never free.
+The mesh's HBM bandwidth is unbounded by default (``mesh.DEFAULT_HBM_BANDWIDTH``),
+which leaves FLOPs at peak, the yardstick's compute; with a finite one the
+bytes count.
 The bytes are those a compiled kernel moves through HBM: XLA fuses chains of
 elementwise and layout operations into one loop (``FUSED_PRODUCERS`` /
 ``FUSED_CONSUMERS``), so a value made by one such operation and read only by
@@ -97,10 +108,11 @@ class ReshardStep:
 class CollectiveCost:
     """The alpha-beta price of one collective kind over a set of mesh axes, as a function of its bytes.
 
-    ``time(B) = passes * (latency + B * share / group / bandwidth)``: for a
-    collective over ``n`` devices ``latency = alpha * (n - 1)``, ``share = n - 1``
-    and ``group = n`` (a collective-permute: ``alpha``, 1 and 1); ``passes`` is
-    2 for an all-reduce, 1 for the other collectives, 0 for what moves nothing.
+    ``time(B) = latency + passes * B * share / group / bandwidth``: for a
+    collective over ``n`` devices ``latency = alpha`` (its start-up, paid once),
+    ``share = n - 1`` and ``group = n`` (a collective-permute: 1 and 1);
+    ``passes`` is 2 for an all-reduce (a reduce-scatter, then an all-gather),
+    1 for the other collectives, 0 for what moves nothing.
     """
 
     latency: float
@@ -112,7 +124,7 @@ class CollectiveCost:
     def time(self, nbytes: float) -> float:
         if not self.passes:
             return 0.0
-        return self.passes * (self.latency + nbytes * self.share / self.group / self.bandwidth)
+        return self.latency + self.passes * nbytes * self.share / self.group / self.bandwidth
 
 
 FREE = CollectiveCost(0.0, 0, 1, 1.0, 0.0)
@@ -127,12 +139,12 @@ def collective_cost(kind: str, axes: tuple[str, ...], mesh: MeshSpec) -> Collect
     if n <= 1:
         return FREE
     bw = min(mesh.axis(a).bandwidth for a in axes)
-    alpha = sum(mesh.axis(a).latency for a in axes)
+    alpha = max(mesh.axis(a).latency for a in axes)
     if kind == "collective-permute":
         return CollectiveCost(alpha, 1, 1, bw, 1.0)
     if kind not in ("all-gather", "reduce-scatter", "all-to-all", "all-reduce"):
         raise ValueError(f"unknown collective kind {kind!r}")
-    return CollectiveCost(alpha * (n - 1), n - 1, n, bw, 2.0 if kind == "all-reduce" else 1.0)
+    return CollectiveCost(alpha, n - 1, n, bw, 2.0 if kind == "all-reduce" else 1.0)
 
 
 def collective_time(kind: str, axes: Sequence[str], nbytes: float, mesh: MeshSpec) -> float:
@@ -205,7 +217,7 @@ def hlo_collective_time(c: Any, mesh: MeshSpec) -> float:
     ``shardsolve.hlo`` names groups that span part of an axis Shardy-style
     (``"model:(1)2"``) and irregular groups ``"?"``; those are priced as an axis
     of the group's size with the links of the axis they lie in (for ``"?"``,
-    the slowest link of the mesh and the latency of all axes).
+    the slowest link of the mesh and the largest latency).
     """
     axes = tuple(c.axes)
     if all(a in mesh.names for a in axes):
@@ -223,7 +235,7 @@ def hlo_collective_time(c: Any, mesh: MeshSpec) -> float:
         else:
             size = _irregular_group_size(c, mesh)
             extra.append(
-                MeshAxis(f"_irregular{k}", size, min(x.bandwidth for x in mesh.axes), sum(x.latency for x in mesh.axes))
+                MeshAxis(f"_irregular{k}", size, min(x.bandwidth for x in mesh.axes), max(x.latency for x in mesh.axes))
             )
         names.append(extra[-1].name)
     priced = MeshSpec(mesh.axes + tuple(extra), peak_flops=mesh.peak_flops, hbm_bandwidth=mesh.hbm_bandwidth)
@@ -664,5 +676,5 @@ class ReshardTables:
                             k = (step.kind, step.axes, step.src.reduce_op)
                             if k not in small:
                                 small[k] = np.zeros((len(su), len(du)), dtype=np.float64)
-                            small[k][a, b] += c.passes * c.latency
+                            small[k][a, b] += c.latency
         return {k: t[np.ix_(si, di)] for k, t in small.items()}

@@ -11,10 +11,16 @@ links that connect devices along it; the cost model prices collectives with them
     8
 
 Defaults describe a TPU-v5e-like chip: one 4.5e10 bytes/s inter-chip link per
-axis with 1 microsecond latency, 1.97e14 FLOP/s of matrix throughput and
-8.19e11 bytes/s of HBM bandwidth. Override per axis with
-``MeshSpec.parse("data=2,model=4", bandwidth={"data": 1e10})`` or build the
-``MeshAxis`` tuple directly.
+axis with 1 microsecond of start-up per collective and 1.97e14 FLOP/s of matrix
+throughput, the figures of the yardstick plans are judged with. Override per
+axis with ``MeshSpec.parse("data=2,model=4", bandwidth={"data": 1e10})`` or
+build the ``MeshAxis`` tuple directly.
+
+HBM bandwidth is unbounded by default, so compute is priced as the yardstick
+prices it: FLOPs at peak. A finite ``hbm_bandwidth`` (``V5E_HBM_BANDWIDTH``,
+8.19e11 bytes/s, for a v5e) makes compute a roofline over the bytes XLA's loop
+fusion leaves in memory (``shardsolve.cost``): memory-bound work then costs
+its bytes, and the planner shards it where that pays for its collectives.
 """
 
 from __future__ import annotations
@@ -27,9 +33,10 @@ from typing import Any, Mapping
 from shardsolve.errors import ShardsolveError
 
 DEFAULT_BANDWIDTH = 4.5e10  # bytes/s per link along one mesh axis
-DEFAULT_LATENCY = 1e-6  # seconds per collective hop
+DEFAULT_LATENCY = 1e-6  # seconds of start-up per collective over the axis
 DEFAULT_PEAK_FLOPS = 1.97e14  # FLOP/s per device
-DEFAULT_HBM_BANDWIDTH = 8.19e11  # bytes/s per device
+V5E_HBM_BANDWIDTH = 8.19e11  # bytes/s of HBM per device on a TPU v5e
+DEFAULT_HBM_BANDWIDTH = math.inf  # bytes/s per device: unbounded, compute is FLOPs at peak (see the module docstring)
 
 _AXIS_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 

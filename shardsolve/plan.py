@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -102,7 +103,7 @@ def predicted_collectives(schedule: Schedule, mesh: MeshSpec,
         seconds = time(step.kind, step.axes, step.bytes, mesh)
         if k in merged:
             c = collective_cost(step.kind, step.axes, mesh)
-            seconds -= c.passes * c.latency
+            seconds -= c.latency
         out.append(PredictedCollective(
             step.kind, step.axes, step.bytes, seconds * d.repeats, d.anchor, d.value_name, step.src, step.dst,
             d.producer, d.consumer, d.target, d.repeats, k in merged,
@@ -367,7 +368,7 @@ class Plan:
                     for a in self.mesh.axes
                 ],
                 "peak_flops": self.mesh.peak_flops,
-                "hbm_bandwidth": self.mesh.hbm_bandwidth,
+                "hbm_bandwidth": None if math.isinf(self.mesh.hbm_bandwidth) else self.mesh.hbm_bandwidth,
             },
             "signature": self.signature.to_json(),
             "status": self.status,
@@ -401,7 +402,7 @@ class Plan:
             mesh = MeshSpec(
                 tuple(MeshAxis(a["name"], int(a["size"]), float(a["bandwidth"]), float(a["latency"])) for a in m["axes"]),
                 peak_flops=float(m["peak_flops"]),
-                hbm_bandwidth=float(m["hbm_bandwidth"]),
+                hbm_bandwidth=math.inf if m.get("hbm_bandwidth") is None else float(m["hbm_bandwidth"]),
             )
             return cls(
                 mesh=mesh,

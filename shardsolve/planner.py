@@ -165,8 +165,9 @@ def plan(
     takes one mesh-axis choice, unnamed dimensions of named leaves stay whole
     (``shardsolve.logical``). ``plan.logical_axis_rules`` then lists the
     choices as Flax/MaxText rules, and ``plan.stats`` hold the cost of the
-    plan without the ties beside it (``logical_free_cost``, ``logical_cost``,
-    ``logical_overhead``: seconds, seconds, tied / free - 1).
+    cheapest plan found without the ties beside it (the tied plan is one of
+    them: ``logical_free_cost``, ``logical_cost``, ``logical_overhead``:
+    seconds, seconds, tied / free - 1).
 
     Ctrl-C while solving raises ``errors.Interrupted`` (a ``KeyboardInterrupt``)
     whose ``plan`` is the best complete plan found so far (``status``
@@ -180,14 +181,18 @@ def plan(
     holds the limit as XLA compiles the plan: ``plan.jit()`` is compiled for
     the example arguments (``ShapeDtypeStruct``s are enough; nothing runs) and
     its ``memory_analysis()`` peak (argument + output + temp - alias) must be
-    within the limit. Where it is not, the limit the solver sees is searched
+    within the limit. The plan without the limit is solved first and compiled:
+    where its peak fits, it is the plan (the fastest in the model, whatever the
+    limit). Where it does not, the problem is solved under the limit, and
+    where that plan's compiled peak is over, the limit the solver sees is searched
     (lowered by the overshoot, then bisected) and the plan solved again; the
     fastest plan whose compiled peak fits is returned (``plan.stats``:
     ``memory_rounds``, ``compiled_peak_memory``), or ``InfeasibleError`` after
     ``MEMORY_ROUNDS`` solves. Where the model calls the limit infeasible but
     overestimates the compiled peak, the limit it sees is raised by that
-    overestimate first. The solves share ``time_limit``: the first gets half
-    of it, each later one a tenth. ``"model"`` trusts the cost model's
+    overestimate first. The solves share ``time_limit``: the one without the
+    limit gets 40% of it, the first under the limit 30%, each later one a
+    tenth. ``"model"`` trusts the cost model's
     estimate. Without enough devices for the mesh the model is trusted.
     """
     if time_limit is not None and not time_limit > 0:
@@ -222,20 +227,31 @@ def _plan(fun, args, mesh, in_shardings, out_shardings, memory_limit, time_limit
         built = tie_axes(built, graph, axes.ties(), axes.whole())
         time_limit = _share(time_limit, 1 - LOGICAL_FREE_SHARE)
     check_compiled = limit is not None and memory_check == "compiled" and _devices_present(mesh_spec)
-    say(f"solving ({len(built.problem.nodes)} nodes, {built.problem.num_strategies} strategies)")
-    try:
-        first = _share(time_limit, FIRST_SOLVE_SHARE) if check_compiled else time_limit
-        solution = _solve(built, first, seed, tie, say if progress else None, price)
-    except KeyboardInterrupt as interrupt:  # Ctrl-C: hand back the best complete plan so far, where there is one
-        interrupt = _as_interrupted(interrupt)
-        best = interrupt.solution
-        if best is not None and len(best.assignment) == len(built.problem.nodes):
-            interrupt.plan = to_plan(graph, built, best, mesh_spec, fun, source)
-        raise interrupt from None
-    if check_compiled:  # an interrupt here carries the best plan that fits as compiled, or none
-        result = _within_compiled_memory(graph, built, solution, mesh_spec, fun, args, source, limit, time_limit,
-                                         seed, tie, say, progress, price)
+    unlimited, result = None, None
+    if check_compiled:  # the fastest plan of all, where it fits as compiled, needs no search under the limit
+        unlimited = _unlimited_probe(graph, built, mesh_spec, fun, args, source, time_limit, seed, tie, say,
+                                     progress, price)
+    if unlimited is not None and unlimited[1] <= limit:
+        say("the plan without the memory limit fits it as compiled: done")
+        plan, compiled = unlimited
+        stats = dict(plan.stats) | {"memory_rounds": 1, "compiled_peak_memory": compiled}
+        result = dataclasses.replace(plan, stats=tuple(sorted(stats.items())))
     else:
+        say(f"solving{' under the memory limit' if check_compiled else ''} ({len(built.problem.nodes)} nodes, "
+            f"{built.problem.num_strategies} strategies)")
+        try:
+            first = _share(time_limit, FIRST_SOLVE_SHARE) if check_compiled else time_limit
+            solution = _solve(built, first, seed, tie, say if progress else None, price)
+        except KeyboardInterrupt as interrupt:  # Ctrl-C: hand back the best complete plan so far, where there is one
+            interrupt = _as_interrupted(interrupt)
+            best = interrupt.solution
+            if best is not None and len(best.assignment) == len(built.problem.nodes):
+                interrupt.plan = to_plan(graph, built, best, mesh_spec, fun, source)
+            raise interrupt from None
+    if check_compiled and result is None:  # an interrupt here carries the best plan that fits as compiled, or none
+        result = _within_compiled_memory(graph, built, solution, mesh_spec, fun, args, source, limit, time_limit,
+                                         seed, tie, say, progress, price, unlimited)
+    elif result is None:
         _refuse_unsolved(built, solution, limit)
         say("done")
         result = to_plan(graph, built, solution, mesh_spec, fun, source)
@@ -245,6 +261,8 @@ def _plan(fun, args, mesh, in_shardings, out_shardings, memory_limit, time_limit
     stats["logical_cost"] = result.cost.total
     if _found(free):
         free_cost = to_plan(graph, built, free, mesh_spec, fun, source).cost
+        if result.cost.total < free_cost.total:  # the tied plan is a plan without the ties too, and the cheaper
+            free_cost = result.cost
         stats.update(logical_free_cost=free_cost.total, logical_free_peak_memory=free_cost.peak_memory,
                      logical_overhead=result.cost.total / free_cost.total - 1 if free_cost.total > 0 else 0.0)
     return dataclasses.replace(result, logical_axis_rules=axes.rules(result.inputs), stats=tuple(sorted(stats.items())))
@@ -263,12 +281,15 @@ def _logical_axes(args: tuple, graph: Graph, in_shardings: Any, mesh: MeshSpec) 
 
 
 MEMORY_CHECKS = ("compiled", "model")
-MEMORY_ROUNDS = 4  # solves at most, the first included
+MEMORY_ROUNDS = 4  # solves under the limit at most, the first included
 #: ``time_limit`` covers every solve of one ``plan`` call, in fixed shares (so that the plan does not depend on
-#: the clock): with a compiled memory check the first solve gets ``FIRST_SOLVE_SHARE`` of it and each later one
-#: (the probe without the limit, the re-solves under searched limits: ``MEMORY_ROUNDS + 1`` at most) an equal
-#: part of the rest; with ``logical_rules`` the reference solve without the ties gets ``LOGICAL_FREE_SHARE``.
-FIRST_SOLVE_SHARE = 0.5
+#: the clock): with a compiled memory check the solve without the limit gets ``UNLIMITED_SHARE`` of it (where
+#: its plan fits, it is the answer: as much time as can be spared), the first solve under the limit
+#: ``FIRST_SOLVE_SHARE`` and each re-solve under a searched limit (``MEMORY_ROUNDS - 1`` at most) ``LATER_SHARE``;
+#: with ``logical_rules`` the reference solve without the ties gets ``LOGICAL_FREE_SHARE``.
+UNLIMITED_SHARE = 0.4
+FIRST_SOLVE_SHARE = 0.3
+LATER_SHARE = (1 - UNLIMITED_SHARE - FIRST_SOLVE_SHARE) / (MEMORY_ROUNDS - 1)
 LOGICAL_FREE_SHARE = 0.3
 OPTIMISM = 0.005  # how much a problem's pricing of merged collectives may cost its plan before another is solved
 #: ... and the shares of the time limit of the problems solved in turn where the first's optimism costs more:
@@ -334,9 +355,35 @@ def compiled_peak(plan: Plan, args: tuple) -> int:
     return compiled_memory(plan.jit().lower(*abstract).compile()).peak
 
 
+def _unlimited_probe(graph: Graph, built: Built, mesh: MeshSpec, fun: Callable, args: tuple, source: str,
+                     time_limit: float | None, seed: int, tie: bool, say: Callable[[str], None], progress,
+                     price: Callable[[Any], float] | None) -> tuple[Plan, int] | None:
+    """The plan solved without the memory limit and its compiled peak (None where none was found).
+
+    It is the fastest plan in the model; where its compiled program fits the
+    limit, nothing slower need be searched for, and where it does not, its
+    planned and compiled peaks tell the search how far the model is off. It
+    gets ``UNLIMITED_SHARE`` of ``time_limit``. Ctrl-C here hands back no
+    plan: none is known to fit yet.
+    """
+    say(f"solving without the memory limit ({len(built.problem.nodes)} nodes, "
+        f"{built.problem.num_strategies} strategies)")
+    try:
+        free = _solve(_limited(built, None), _share(time_limit, UNLIMITED_SHARE), seed, tie, say if progress else None,
+                      price)
+    except KeyboardInterrupt:
+        raise Interrupted(None) from None
+    if not _found(free):
+        return None
+    plan = to_plan(graph, _limited(built, None), free, mesh, fun, source)
+    say("compiling it to read its memory")
+    return plan, compiled_peak(plan, args)
+
+
 def _within_compiled_memory(graph: Graph, built: Built, solution, mesh: MeshSpec, fun: Callable, args: tuple,
                             source: str, limit: float, time_limit: float | None, seed: int, tie: bool,
-                            say: Callable[[str], None], progress, price: Callable[[Any], float] | None = None) -> Plan:
+                            say: Callable[[str], None], progress, price: Callable[[Any], float] | None = None,
+                            unlimited: tuple[Plan, int] | None = None) -> Plan:
     """The fastest plan found whose compiled program's peak memory is within ``limit`` (``plan``'s ``memory_check``).
 
     The model's peak and the compiled one differ by what the model does not
@@ -347,17 +394,14 @@ def _within_compiled_memory(graph: Graph, built: Built, solution, mesh: MeshSpec
     smallest known to be too loose, for at most ``MEMORY_ROUNDS`` solves (``time_limit``
     is the whole call's: each solve here gets its later share). Where the
     solver finds no plan under ``limit`` at all, the model's overestimate on
-    the plan without the limit (planned minus compiled peak) is tried first.
+    the plan without the limit (``unlimited``: that plan and its compiled peak,
+    from ``_unlimited_probe``; planned minus compiled peak) is tried first.
     """
     best: tuple[Plan, int] | None = None
     lo, hi, internal, rounds, compiled = 0.0, math.inf, limit, 0, None
-    time_limit = _share(time_limit, (1 - FIRST_SOLVE_SHARE) / (MEMORY_ROUNDS + 1))  # each later solve's
+    time_limit = _share(time_limit, LATER_SHARE)  # each re-solve's
     if not math.isfinite(solution.cost) and solution.status == "infeasible":
-        free = _solve(_limited(built, None), time_limit, seed, tie, None, price)
-        excess = 0.0
-        if math.isfinite(free.cost):
-            probe = to_plan(graph, built, free, mesh, fun, source)
-            excess = probe.cost.peak_memory - compiled_peak(probe, args)
+        excess = 0.0 if unlimited is None else unlimited[0].cost.peak_memory - unlimited[1]
         if excess <= 0:
             _refuse_unsolved(built, solution, limit)
         lo, internal = limit, limit + excess

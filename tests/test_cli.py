@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
+import shardsolve
 from shardsolve.cli import main
 from shardsolve.errors import ShardsolveError
 
@@ -26,6 +28,22 @@ def test_plan_command_writes_a_plan(capsys, tmp_path, models_dir):
     assert data["source"].startswith(f"{models_dir}/mlp.py:mlp")
 
 
+def test_hbm_bandwidth_prices_compute_as_a_roofline(capsys, tmp_path, models_dir):
+    """FLOPs at peak by default (the plan file says no HBM bandwidth); with ``--hbm-bandwidth`` the bytes count."""
+    costs = {}
+    for name, extra in (("flops", ()), ("roofline", ("--hbm-bandwidth", "8.19e11"))):
+        out = tmp_path / f"{name}.json"
+        code, stdout, _ = _run(capsys, "plan", f"{models_dir}/mlp.py:mlp", "--mesh", "data=2,model=4", *extra,
+                               "-o", str(out))
+        assert code == 0, stdout
+        data = json.loads(out.read_text())
+        assert data["mesh"]["hbm_bandwidth"] == (None if name == "flops" else 8.19e11)
+        loaded = shardsolve.load_plan(out)
+        assert loaded.mesh.hbm_bandwidth == (math.inf if name == "flops" else 8.19e11)
+        costs[name] = data["cost"]["compute"]
+    assert costs["roofline"] > costs["flops"] > 0
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [
@@ -34,6 +52,7 @@ def test_plan_command_writes_a_plan(capsys, tmp_path, models_dir):
         (["plan", "{models}/mlp.py", "--mesh", "data=2,,model"], "cannot parse mesh axis"),
         (["plan", "{models}/mlp.py", "--mesh", "data=2,model=4", "--memory-limit", "1KiB"], "no plan satisfies"),
         (["plan", "{models}/mlp.py", "--mesh", "batch=8"], "unknown mesh axis 'data'"),
+        (["plan", "{models}/mlp.py", "--mesh", "data=2,model=4", "--hbm-bandwidth", "0"], "--hbm-bandwidth 0.0 must"),
     ],
 )
 def test_bad_input_exits_2_without_traceback_or_file(capsys, tmp_path, models_dir, argv, message):

@@ -11,7 +11,7 @@ from jax.sharding import PartitionSpec as P
 
 from shardsolve.cost import collective_time, compute_time, reshard_steps, reshard_time
 from shardsolve.errors import ShardsolveError
-from shardsolve.mesh import MeshSpec, as_mesh_spec
+from shardsolve.mesh import V5E_HBM_BANDWIDTH, MeshSpec, as_mesh_spec
 from shardsolve.sharding import Sharding, candidate_shardings
 
 MESH = MeshSpec.parse("data=2,model=4")
@@ -163,7 +163,8 @@ def test_collective_costs_order():
     nbytes = 1 << 20
     ag = collective_time("all-gather", ("model",), nbytes, MESH)
     ar = collective_time("all-reduce", ("model",), nbytes, MESH)
-    assert ar == pytest.approx(2 * ag)
+    alpha = MESH.axis("model").latency
+    assert ar - alpha == pytest.approx(2 * (ag - alpha))  # two passes over the bytes, one start-up
     # More bytes, more time; a bigger group moves a larger fraction.
     assert collective_time("all-gather", ("model",), 2 * nbytes, MESH) > ag
     assert collective_time("all-gather", ("data", "model"), nbytes, MESH) > ag
@@ -171,7 +172,31 @@ def test_collective_costs_order():
     assert collective_time("all-gather", ("model",), nbytes, slow) > ag
 
 
-def test_compute_time_is_roofline():
+def test_collective_time_is_one_start_up_plus_a_ring_of_bytes():
+    """One latency per collective (not per ring hop), whatever the group: the yardstick's formula."""
+    nbytes, bw, alpha = 1 << 16, MESH.axis("model").bandwidth, MESH.axis("model").latency
+    assert collective_time("all-gather", ("model",), nbytes, MESH) == pytest.approx(alpha + 3 / 4 * nbytes / bw)
+    assert collective_time("reduce-scatter", ("model",), nbytes, MESH) == pytest.approx(alpha + 3 / 4 * nbytes / bw)
+    assert collective_time("all-to-all", ("model",), nbytes, MESH) == pytest.approx(alpha + 3 / 4 * nbytes / bw)
+    assert collective_time("all-reduce", ("model",), nbytes, MESH) == pytest.approx(alpha + 2 * 3 / 4 * nbytes / bw)
+    assert collective_time("collective-permute", ("model",), nbytes, MESH) == pytest.approx(alpha + nbytes / bw)
+    # Two axes: eight devices, one start-up (the slower axis's), so one all-reduce over both beats two in turn.
+    both = collective_time("all-reduce", ("data", "model"), nbytes, MESH)
+    assert both == pytest.approx(alpha + 2 * 7 / 8 * nbytes / bw)
+    small = 64
+    assert collective_time("all-reduce", ("data", "model"), small, MESH) < (
+        collective_time("all-reduce", ("data",), small, MESH) + collective_time("all-reduce", ("model",), small, MESH))
+    slow = MESH.with_links(latency={"data": 5e-6})
+    assert collective_time("all-reduce", ("data", "model"), small, slow) == pytest.approx(5e-6 + 2 * 7 / 8 * small / bw)
+
+
+def test_compute_time_is_flops_at_peak_or_a_roofline():
+    # By default (the yardstick's pricing) bytes cost nothing: compute is FLOPs at peak.
     assert compute_time(MESH.peak_flops, 0, MESH) == pytest.approx(1.0)
-    assert compute_time(0, MESH.hbm_bandwidth, MESH) == pytest.approx(1.0)
+    assert compute_time(MESH.peak_flops / 2, 1e15, MESH) == pytest.approx(0.5)
     assert compute_time(MESH.peak_flops / 8, 0, MESH) < compute_time(MESH.peak_flops, 0, MESH)
+    # With an HBM bandwidth, the slower of FLOPs and bytes.
+    roofline = MeshSpec.parse("data=2,model=4", hbm_bandwidth=V5E_HBM_BANDWIDTH)
+    assert compute_time(0, roofline.hbm_bandwidth, roofline) == pytest.approx(1.0)
+    assert compute_time(roofline.peak_flops / 2, roofline.hbm_bandwidth, roofline) == pytest.approx(1.0)
+    assert compute_time(roofline.peak_flops, roofline.hbm_bandwidth / 2, roofline) == pytest.approx(1.0)

@@ -205,8 +205,10 @@ def test_gradient_all_reduces_are_priced_merged_as_compiled():
 
 
 def test_merges_priced_as_the_plan_makes_them_when_optimism_misleads(models_dir):
-    """The small CNN's optimistic problem shares one latency between every terminal reduction of a key, also
-    over ``model``, where its plan then reduces one gradient alone (a whole latency, 6 us). Solving with
+    """On a mesh whose collectives start slowly (2 us over ``data``, 6 us over ``model``) and whose compute
+    is a roofline (v5e's HBM bandwidth), the small CNN's
+    optimistic problem shares one latency between every terminal reduction of a key, also
+    over both axes, where its plan then reduces one gradient alone (a whole latency, 6 us). Solving with
     every latency paid instead replicates the compute. Priced with the merges that plan makes
     (``Built.priced_for``), the solver finds data parallelism: every gradient all-reduced over ``data`` in
     one merged collective, cheaper than both, as the compiled program confirms.
@@ -214,17 +216,17 @@ def test_merges_priced_as_the_plan_makes_them_when_optimism_misleads(models_dir)
     from shardsolve import planner
     from shardsolve.annotations import argument_pins, carry_pairs, output_pins
     from shardsolve.build import build_problem
-    from shardsolve.mesh import MeshSpec
+    from shardsolve.mesh import V5E_HBM_BANDWIDTH, MeshSpec
 
     model = shardsolve.load_model(str(models_dir / "cnn.py:cnn"), "small")
-    mesh = MeshSpec.parse("data=2,model=4")
+    mesh = MeshSpec.parse("data=2,model=4", latency={"data": 2e-6, "model": 6e-6}, hbm_bandwidth=V5E_HBM_BANDWIDTH)
     traced = trace(model.fun, *model.args)
     graph = Graph.from_traced(traced)
     built = build_problem(graph, mesh, argument_pins(traced, model.in_shardings, mesh), output_pins(traced, None, mesh),
                           ties=carry_pairs(traced, model.carry))
     optimistic = planner.search_once(built, 10, 0, True, None)
     counts = built.merge_counts(optimistic.assignment)
-    assert counts[("all-reduce", ("model",), "sum")] == 1 and counts[("all-reduce", ("data",), "sum")] > 1
+    assert counts[("all-reduce", ("data", "model"), "sum")] == 1 and counts[("all-reduce", ("data",), "sum")] > 1
     assert built.priced_for({}).problem.evaluate(optimistic.assignment) == pytest.approx(
         built.plain().problem.evaluate(optimistic.assignment))
 
@@ -232,7 +234,7 @@ def test_merges_priced_as_the_plan_makes_them_when_optimism_misleads(models_dir)
         return planner.to_plan(graph, built, solution, mesh, model.fun).cost.total
 
     plain = planner.search_once(built.plain(), 10, 0, True, None)
-    plan = shardsolve.plan(model.fun, *model.args, mesh="data=2,model=4", in_shardings=model.in_shardings,
+    plan = shardsolve.plan(model.fun, *model.args, mesh=mesh, in_shardings=model.in_shardings,
                            carry=model.carry, time_limit=10)
     assert dict(plan.stats)["merge_pricing"] == "as planned"
     assert plan.cost.total < min(price(optimistic), price(plain)) * 0.9

@@ -235,7 +235,8 @@ def test_an_interrupted_memory_search_hands_back_the_best_plan_that_fits(monkeyp
     from shardsolve import planner
 
     limit = 1 << 20
-    first, fitted = [2 * limit], []  # the first plan compiles far over the limit, later ones as the model counts
+    # The plan without the limit and the first under it compile far over the limit, later ones as the model counts.
+    first, fitted = [2 * limit, 2 * limit], []
 
     def compiled_peak(plan, args):
         peak = first.pop() if first else int(plan.cost.peak_memory)

@@ -73,12 +73,37 @@ def test_the_solves_of_a_memory_search_share_the_time_limit(monkeypatch):
     try:
         plan = shardsolve.plan(_stack_step, *ARGS, mesh=MESH, in_shardings=(None, P("data")), tie=False,
                                time_limit=8.0, memory_limit=int(0.7 * free.cost.peak_memory))
-        assert dict(plan.stats)["memory_rounds"] == len(limits)
     except shardsolve.InfeasibleError as error:
         assert "compiled program fits" in str(error)
-    assert len(limits) >= 2  # the limit was searched
-    assert limits[0] == 8.0 * planner.FIRST_SOLVE_SHARE
+        plan = None
+    # First the plan without the limit (its merge pricings' solves within its share), then the first
+    # solve under the limit with its share, then the searched limits, one solve each.
+    under = limits.index(8.0 * planner.FIRST_SOLVE_SHARE)
+    assert 1 <= under and sum(limits[:under]) <= 8.0 * planner.UNLIMITED_SHARE * (1 + 1e-9)
+    assert all(t == pytest.approx(8.0 * planner.LATER_SHARE) for t in limits[under + 1:])
+    assert len(limits) - under >= 2  # the limit was searched
+    if plan is not None:
+        assert dict(plan.stats)["memory_rounds"] == len(limits) - under
     assert sum(limits) <= 8.0
+
+
+def test_the_plan_without_the_limit_is_kept_where_it_fits_as_compiled(monkeypatch):
+    """A limit the model's fastest plan breaks (as the model counts) but whose compiled program keeps: that plan,
+    with no slower one searched for under the limit."""
+    limits = _recorded_limits(monkeypatch)
+    free = shardsolve.plan(_stack_step, *ARGS, mesh=MESH, in_shardings=(None, P("data")), tie=False)
+    limit = int(0.7 * free.cost.peak_memory)
+    monkeypatch.setattr(planner, "compiled_peak", lambda plan, args: int(0.5 * plan.cost.peak_memory))
+    limits.clear()
+    plan = shardsolve.plan(_stack_step, *ARGS, mesh=MESH, in_shardings=(None, P("data")), tie=False,
+                           time_limit=8.0, memory_limit=limit)
+    assert plan.cost == free.cost and plan.inputs == free.inputs
+    assert plan.cost.peak_memory > limit >= dict(plan.stats)["compiled_peak_memory"]
+    assert 8.0 * planner.FIRST_SOLVE_SHARE not in limits  # nothing solved under the limit
+    # Without the compiled check the model's count holds the limit: a slower plan.
+    held = shardsolve.plan(_stack_step, *ARGS, mesh=MESH, in_shardings=(None, P("data")), tie=False,
+                           time_limit=8.0, memory_limit=limit, memory_check="model")
+    assert held.cost.peak_memory <= limit and held.cost.total > free.cost.total
 
 
 def test_logical_rules_reference_solve_shares_the_time_limit(monkeypatch):

@@ -23,7 +23,7 @@ from jax.sharding import PartitionSpec as P
 import shardsolve
 from shardsolve.cost import reshard_steps
 from shardsolve.errors import ShardsolveError
-from shardsolve.mesh import MeshSpec
+from shardsolve.mesh import V5E_HBM_BANDWIDTH, MeshSpec
 from shardsolve.rules.validate import check_many, find_equation, literal_operands, rule_of
 from shardsolve.sharding import Sharding, candidate_shardings, uneven_split_fits
 
@@ -367,11 +367,13 @@ def test_solver_picks_uneven_split_where_it_pays():
 
     The best even plan works on halves; the uneven plan splits the columns over
     model too (shards of 751) and is cheaper, collectives included: the fused
-    tanh-scale-sum loop reads a quarter of the bytes for an all-reduce of 1501 sums.
+    tanh-scale-sum loop reads a quarter of the bytes for an all-reduce of 1501 sums (compute priced as a
+    roofline, so that the loop's bytes count).
     """
     x = _rand((3002, 3002))
-    plan = shardsolve.plan(_heavy, x, mesh=MESH)
-    even = shardsolve.plan(_heavy, x, mesh=MESH, uneven=False)
+    mesh = MeshSpec.parse(MESH, hbm_bandwidth=V5E_HBM_BANDWIDTH)
+    plan = shardsolve.plan(_heavy, x, mesh=mesh)
+    even = shardsolve.plan(_heavy, x, mesh=mesh, uneven=False)
     assert even.status == plan.status == "optimal"
     assert not _uneven_ops(even)
     assert _uneven_ops(plan)

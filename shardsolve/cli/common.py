@@ -33,6 +33,7 @@ from rich.console import Console
 
 from shardsolve.errors import ShardsolveError
 from shardsolve.files import write_atomically
+from shardsolve.mesh import MeshSpec
 from shardsolve.model import Model
 
 EXIT_OK, EXIT_MISMATCH, EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_TERMINATED = 0, 1, 2, 130, 143
@@ -115,6 +116,19 @@ def add_model_arguments(p: argparse.ArgumentParser, *, annotations_help: str, me
     p.add_argument("--time-limit", type=float,
                    help="solver seconds per plan, all its solves together (default: no limit for the plan, 30 "
                         "for each of its solves; stops sooner when proven optimal)")
+    p.add_argument("--hbm-bandwidth", type=float, metavar="BYTES_PER_S",
+                   help="price compute as a roofline at this HBM bandwidth per device, e.g. 8.19e11 for a TPU v5e "
+                        "(default: FLOPs at peak, as the yardstick prices them)")
+
+
+def mesh_of(args: argparse.Namespace) -> MeshSpec:
+    """``--mesh``, with ``--hbm-bandwidth`` where given (a positive number of bytes/s)."""
+    hbm = getattr(args, "hbm_bandwidth", None)
+    if hbm is None:
+        return MeshSpec.parse(args.mesh)
+    if not hbm > 0:
+        raise ShardsolveError(f"--hbm-bandwidth {hbm!r} must be a positive number of bytes/s, e.g. 8.19e11")
+    return MeshSpec.parse(args.mesh, hbm_bandwidth=hbm)
 
 
 def source_of(args: argparse.Namespace) -> ModelSource:

@@ -26,6 +26,7 @@ from shardsolve.cli.common import (
     console,
     ensure_host_devices,
     keep_interrupted,
+    mesh_of,
     ms,
     source_of,
     write_json,
@@ -58,7 +59,7 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    mesh = MeshSpec.parse(args.mesh)
+    mesh = mesh_of(args)
     ensure_host_devices(mesh.size)  # before anything starts JAX's backend (small models allocate arrays)
     out = console()
     check_output(args.output, "compare.json")

@@ -11,7 +11,8 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from shardsolve.cli.common import add_model_arguments, annotations_of, check_output, console, keep_interrupted, source_of
+from shardsolve.cli.common import (add_model_arguments, annotations_of, check_output, console, keep_interrupted, mesh_of,
+                                    source_of)
 from shardsolve.errors import Interrupted
 from shardsolve.mesh import MeshSpec
 from shardsolve.model import load_model
@@ -44,7 +45,7 @@ def add_parser(sub: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     out = console()
-    mesh = MeshSpec.parse(args.mesh)
+    mesh = mesh_of(args)
     check_output(args.output, "plan.json")
     try:
         plan = _make(args, mesh)
