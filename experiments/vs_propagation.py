@@ -90,11 +90,13 @@ class Row:
 
     def yardstick(self, name: str) -> float:
         """Seconds, as the outside ruler prices the column's compiled program (nan: no column, or no ruler)."""
+        from shardsolve.mesh import MeshSpec
+
         c = self.columns.get(name)
-        return yardstick_seconds(c) if c is not None and c.ok and c.hlo else math.nan
+        return yardstick_seconds(c, MeshSpec.parse(self.mesh).size) if c is not None and c.ok and c.hlo else math.nan
 
 
-def yardstick_seconds(col) -> float:
+def yardstick_seconds(col, devices: int) -> float:
     """``yardstick.measure``'s step time of a compared column (nan where ``../shared/yardstick`` is absent).
 
     The column keeps what the ruler reads of a compiled program: its optimized
@@ -119,7 +121,7 @@ def yardstick_seconds(col) -> float:
         memory_analysis=lambda: SimpleNamespace(argument_size_in_bytes=m.argument, output_size_in_bytes=m.output,
                                                 temp_size_in_bytes=m.temp, alias_size_in_bytes=m.alias),
     )
-    return yardstick.measure(compiled, 8)["step_s"]
+    return yardstick.measure(compiled, devices)["step_s"]
 
 
 def run_one(model_name: str, spec: str, mesh: str, setting: str, size: str, time_limit: float, say) -> Row:
