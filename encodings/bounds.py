@@ -20,8 +20,9 @@ memory relaxed): the same reparametrisation bound, with the reparametrisation
 found by passes of messages in node order, alternately forward and backward.
 It reaches the LP optimum of the memory-relaxed problem (tight on planner
 problems) in tens of passes where min-sum diffusion plateaus below it, and is
-exact on trees. A pass costs one table operation per edge; ``solve`` uses it
-where the LP is too big. ``trws_decode`` reads an assignment off its messages
+exact on trees. A pass reads each edge's table once, in compiled code
+(``encodings.kernels``: about a millisecond a pass on a 12-layer GPT-2 step);
+``solve`` uses it where the LP is too big. ``trws_decode`` reads an assignment off its messages
 (each node, in order, at its best given the nodes before it and the messages
 of those after); ``solve`` repairs such decodings into warm starts.
 
@@ -53,6 +54,7 @@ import time
 
 import numpy as np
 
+from shardsolve.encodings import kernels
 from shardsolve.encodings.flat import Flat, evaluate, sweep_charge
 
 __all__ = ["trivial_bound", "dual_bound", "trws_bound", "trws_charge", "trws_pass_charge", "trws_decode",
@@ -135,21 +137,27 @@ def dual_bound(flat: Flat, iterations: int = 20, wall_limit: float | None = None
     return best - 1e-9 * max(1.0, abs(best))
 
 
-#: ``trws_bound``'s work in sweeps (``flat.sweep_charge``): a pass with its share of the bound checks (0.7 to
-#: 1.15 sweeps measured on planner problems and IOPDDL B and V), and the setup (finite stand-ins, the final
-#: terms; 2 to 4 sweeps).
-TRWS_PASS_SWEEPS = 1.0
-TRWS_SETUP_SWEEPS = 4.0
+#: ``trws_bound``'s work: a compiled pass (``kernels.trws_pass``) with its share of the bound checks, per node
+#: and edge and per table entry (measured on planner problems and the IOPDDL instances: 0.07 to 0.8 us an
+#: item where items dominate, 0.9 to 2.5 ns an entry where entries do; the charges sit above both), and the
+#: setup in Python sweeps (``flat.sweep_charge``: packing the arrays, the final terms; 0.5 to 1 measured).
+TRWS_CHARGE_PER_ITEM = 1e-7
+TRWS_CHARGE_PER_ENTRY = 2.5e-9
+TRWS_SETUP_SWEEPS = 2.0
+#: ... and an assignment read off and evaluated (``decode_every``), in Python sweeps.
+TRWS_DECODE_SWEEPS = 2.0
 
 
-def trws_charge(flat: Flat, passes: int) -> float:
-    """Deterministic charge (seconds) of ``trws_bound`` running ``passes`` passes over ``flat``."""
-    return (TRWS_PASS_SWEEPS * passes + TRWS_SETUP_SWEEPS) * sweep_charge(flat)
+def trws_charge(flat: Flat, passes: int, decodes: int = 0) -> float:
+    """Deterministic charge (seconds) of ``trws_bound`` running ``passes`` passes over ``flat`` and reading
+    ``decodes`` assignments off them."""
+    return passes * trws_pass_charge(flat) + (TRWS_SETUP_SWEEPS + TRWS_DECODE_SWEEPS * decodes) * sweep_charge(flat)
 
 
 def trws_pass_charge(flat: Flat) -> float:
     """Deterministic charge (seconds) of one more TRW-S pass (``trws_charge`` without the setup)."""
-    return TRWS_PASS_SWEEPS * sweep_charge(flat)
+    return TRWS_CHARGE_PER_ITEM * (flat.n + len(flat.tables)) + TRWS_CHARGE_PER_ENTRY * sum(
+        t.size for t in flat.tables)
 
 
 def trws_bound(
@@ -197,90 +205,61 @@ def trws_bound(
     costs, tables = _finite_parts(flat)
     eu = [int(u) for u in flat.eu]
     ev = [int(v) for v in flat.ev]
-    to_v = [np.zeros(len(costs[v])) for v in ev]  # message u -> v, over v's strategies
-    to_u = [np.zeros(len(costs[u])) for u in eu]
     earlier = np.zeros(n, dtype=np.int64)
     later = np.zeros(n, dtype=np.int64)
     for u, v in zip(eu, ev):
         later[min(u, v)] += 1
         earlier[max(u, v)] += 1
     gamma = 1.0 / np.maximum(1, np.maximum(earlier, later))
+    packed = kernels.pack(costs, tables, eu, ev, flat.adj, gamma)
+    to_u, to_v = packed.messages()  # messages to each edge's first / second node, flat
 
-    def hats(tu: list[np.ndarray], tv: list[np.ndarray]) -> list[np.ndarray]:
-        out = [c.copy() for c in costs]
+    def terms_of(forward: bool, tu: np.ndarray, tv: np.ndarray) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        """The node and edge terms of the reparametrisation by messages ``tu``, ``tv`` (what
+        ``kernels.reparametrised_value`` sums the minima of)."""
+        tu_e, tv_e = packed.split(tu, packed.uoff), packed.split(tv, packed.voff)
+        hat = [c.copy() for c in costs]
         for e in range(len(tables)):
-            out[ev[e]] += tv[e]
-            out[eu[e]] += tu[e]
-        return out
-
-    def reparametrised(forward: bool, tu: list[np.ndarray], tv: list[np.ndarray], keep: bool):
-        """The bound of the reparametrisation by messages ``tu``, ``tv``; with ``keep``, its node and edge terms
-        too (else None: one table-sized term at a time, as a pass, rather than all of them held)."""
-        hat = hats(tu, tv)
+            hat[ev[e]] += tv_e[e]
+            hat[eu[e]] += tu_e[e]
         sends = np.zeros(n)
-        edge_terms: list[np.ndarray] | None = [] if keep else None
-        value = 0.0
+        edge_terms = []
         for e, t in enumerate(tables):
             u, v = eu[e], ev[e]
             if (u < v) == forward:  # u goes first in this pass
                 sends[u] += 1
-                term = t + (gamma[u] * hat[u] - tu[e])[:, None]
-                term -= tv[e][None, :]
+                term = t + (gamma[u] * hat[u] - tu_e[e])[:, None]
+                term -= tv_e[e][None, :]
             else:
                 sends[v] += 1
-                term = t + (gamma[v] * hat[v] - tv[e])[None, :]
-                term -= tu[e][:, None]
-            value += float(term.min())
-            if edge_terms is not None:
-                edge_terms.append(term)
-        node_terms = [(1.0 - gamma[i] * sends[i]) * hat[i] for i in range(n)]
-        value += sum(float(t.min()) for t in node_terms)
-        return value, (node_terms if keep else None), edge_terms
+                term = t + (gamma[v] * hat[v] - tv_e[e])[None, :]
+                term -= tu_e[e][:, None]
+            edge_terms.append(term)
+        return [(1.0 - gamma[i] * sends[i]) * hat[i] for i in range(n)], edge_terms
 
-    # Per node and direction: (edge, this node is its u, neighbour, table); hats kept up to date. A table is
-    # read in its own layout from either end (no transposed copy: the sums and minima are the same).
-    msgs = {True: to_v, False: to_u}  # is_u -> the list holding messages from u (to v) / from v (to u)
-    plan: list[tuple[list, list]] = []
-    for i in range(n):
-        ahead, behind = [], []
-        for e, j, is_u in flat.adj[i]:
-            (ahead if j > i else behind).append((e, is_u, j, tables[e]))
-        plan.append((ahead, behind))
-    hat = hats(to_u, to_v)
-    # The best bound's messages (each pass replaces message arrays, never writes into them: a list copy keeps
-    # them); its terms are rebuilt from them once, at the end.
+    def decode() -> np.ndarray:
+        return trws_decode(flat, costs, tables, packed.split(to_u, packed.uoff), packed.split(to_v, packed.voff))
+
+    hat = kernels.hats(packed, to_u, to_v)
+    # The best bound's messages (copies); its terms are rebuilt from them once, at the end.
     if final_only and passes > 0:
         best, best_at = -math.inf, None
     else:
-        best, best_at = reparametrised(True, to_u, to_v, False)[0], (True, list(to_u), list(to_v))
+        best, best_at = kernels.reparametrised_value(packed, True, to_u, to_v), (True, to_u.copy(), to_v.copy())
     found, found_cost = None, math.inf  # the cheapest valid assignment read off so far (``decode_every``)
     done = 0
     for k in range(passes):
         done = k + 1
         forward = k % 2 == 0
-        for i in (range(n) if forward else range(n - 1, -1, -1)):
-            send = plan[i][0] if forward else plan[i][1]
-            if not send:
-                continue
-            share = gamma[i] * hat[i]
-            for e, is_u, j, table in send:
-                incoming = msgs[not is_u][e]  # the message j sent to i
-                if is_u:  # i's strategies are the table's rows
-                    m = ((share - incoming)[:, None] + table).min(axis=0)
-                else:
-                    m = (table + (share - incoming)[None, :]).min(axis=1)
-                m -= m.min()
-                out = msgs[is_u]
-                hat[j] += m - out[e]
-                out[e] = m
+        kernels.trws_pass(packed, forward, hat, to_u, to_v)
         late = wall_limit is not None and time.perf_counter() - started > wall_limit
         often = not final_only and (k in (1, 3, 7) or k % 4 == 3)
         if often or k == passes - 1 or late:  # a bound costs about a pass: check less often
-            value = reparametrised(forward, to_u, to_v, False)[0]
+            value = kernels.reparametrised_value(packed, forward, to_u, to_v)
             if value > best:
-                best, best_at = value, (forward, list(to_u), list(to_v))
+                best, best_at = value, (forward, to_u.copy(), to_v.copy())
             if decode_every and decoded is not None and ((k + 1) % decode_every == 0 or k == passes - 1 or late):
-                x = trws_decode(flat, costs, tables, to_u, to_v)
+                x = decode()
                 cost = evaluate(flat, x)
                 if cost < found_cost:
                     found, found_cost = x, cost
@@ -289,12 +268,12 @@ def trws_bound(
             if best >= target or late:
                 break
     if decoded is not None:
-        decoded.append(found if found is not None else trws_decode(flat, costs, tables, to_u, to_v))
+        decoded.append(found if found is not None else decode())
     if ran is not None:
         ran.append(done)
     best_nodes = best_edges = None
     if terms and best_at is not None:
-        best_nodes, best_edges = reparametrised(*best_at, True)[1:]  # the same sums as ``best``, in the same order
+        best_nodes, best_edges = terms_of(*best_at)  # the terms whose minima ``best`` sums
     return best, best_nodes, best_edges
 
 

@@ -86,7 +86,7 @@ LP_CHARGE = 6e-5
 LP_SHARE = 0.8
 #: TRW-S before the LP (``Portfolio.trws_probe``): at most this many passes and this share of the budget,
 #: an assignment read off every ``PROBE_DECODE_EVERY`` passes.
-PROBE_PASSES = 240
+PROBE_PASSES = 800
 PROBE_SHARE = 0.5
 PROBE_DECODE_EVERY = 16
 #: ... where at least this share of the pair entries is allowed: over a problem already pruned (tying's untied
@@ -117,9 +117,9 @@ TRWS_START_SHARE = 0.5
 #: Min-sum diffusion (``bounds.dual_bound``) after the TRW-S bound, where the LP is skipped: this many sweeps.
 DIFFUSION_SWEEPS = 50
 #: TRW-S bound (where the LP is skipped): at most this many passes, and this share of the budget.
-TRWS_PASSES = 200
+TRWS_PASSES = 1000
 TRWS_SHARE = 0.12
-#: ... and above ``LARGE_NODES`` nodes (where a pass costs about a second and the search gains more from the time).
+#: ... and above ``LARGE_NODES`` nodes (where the search gains more from the time).
 TRWS_SHARE_LARGE = 0.03
 #: Wall-clock safety net: ``WALL_SLACK * time_limit + WALL_EXTRA`` seconds, after which every stage
 #: stops at its next check (the final lift and evaluation still run).
@@ -440,7 +440,8 @@ class Portfolio:
         reparametrised costs) for ``pruned_by_probe``.
         """
         flat, stats = self.flat, self.stats
-        per_pass = bounds.trws_pass_charge(flat)
+        # a pass, and its share of the assignments read off
+        per_pass = bounds.trws_pass_charge(flat) + bounds.trws_charge(flat, 0, 1) / PROBE_DECODE_EVERY
         passes = int(min(PROBE_PASSES, PROBE_SHARE * self.budget / per_pass))
         if passes < PROBE_DECODE_EVERY:
             return None
@@ -448,7 +449,7 @@ class Portfolio:
         ran: list = []
         lb, node_terms, edge_terms = bounds.trws_bound(flat, passes, decoded=decoded, wall_limit=self.wall_left(),
                                                        decode_every=PROBE_DECODE_EVERY, ran=ran)
-        self.budget -= bounds.trws_charge(flat, ran[0])
+        self.budget -= bounds.trws_charge(flat, ran[0], -(-ran[0] // PROBE_DECODE_EVERY))
         self.probe_passes = ran[0]
         lb -= 1e-10 * abs(lb)  # floating-point margin of the reparametrised sums (as ``tying.untied_bound``'s)
         x = decoded[0]

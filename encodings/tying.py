@@ -70,7 +70,7 @@ from shardsolve.errors import InfeasibleError, Interrupted
 from shardsolve.problem import FORBIDDEN, Edge, Node, Problem, Solution
 
 __all__ = ["DEFAULT_ROUNDS", "colours", "layer_classes", "origins", "tie", "Tied", "merge", "trws_bound", "untied_bound",
-           "solve_tied"]
+           "solve_tied", "certify"]
 
 #: Colour refinement rounds: the radius (in edges) within which corresponding nodes look alike.
 DEFAULT_ROUNDS = 2
@@ -328,7 +328,7 @@ def merge(problem: Problem, pairs: Sequence[tuple[int, int, np.ndarray]]) -> tup
 
 
 def untied_bound(
-    reduced: Reduced, upper: float, *, passes: int = 60, time_limit: float = 10.0, seed: int = 0,
+    reduced: Reduced, upper: float, *, passes: int = 2000, time_limit: float = 10.0, seed: int = 0,
     wall_limit: float | None = None,
 ) -> tuple[float, str, tuple[int, ...] | None]:
     """A certified lower bound of the untied problem, given the cost ``upper`` of one of its assignments.
@@ -423,10 +423,7 @@ def _interrupted(problem: Problem, assignment, started: float) -> Interrupted:
     cost = problem.evaluate(assignment)
     if not math.isfinite(cost):
         return Interrupted(None)
-    nonnegative = all(float(np.min(n.costs, initial=0.0)) >= 0 for n in problem.nodes) and all(
-        float(np.min(e.costs, initial=0.0)) >= 0 for e in problem.edges)
-    bound = min(0.0, cost) if nonnegative else -math.inf
-    return Interrupted(Solution(tuple(int(s) for s in assignment), cost, bound, "interrupted",
+    return Interrupted(Solution(tuple(int(s) for s in assignment), cost, _trivial_bound(problem, cost), "interrupted",
                                 time.perf_counter() - started, (), {"tying": "interrupted"}))
 
 
@@ -438,6 +435,7 @@ def solve_tied(
     progress=None,
     rounds: int = DEFAULT_ROUNDS,
     wall_limit: float | None = None,
+    certify: bool = True,
 ) -> Solution | None:
     """Solve ``problem`` with its repeated layers tied; ``None`` when there is nothing to tie.
 
@@ -456,6 +454,12 @@ def solve_tied(
     that only an untied plan meets): the caller then solves untied.
     ``wall_limit``: the wall-clock net of both solves, in seconds from the call
     (default: each solve's own); the tied solve's net is ``TIED_SHARE`` of it.
+
+    ``certify=False`` stops after the tied solve: the solution is
+    ``"feasible"`` with the trivial bound (``tie_bound`` ``"deferred"``), and
+    ``stats["bound_reserve_s"]`` is the work budget the untied bound would have
+    had. ``certify`` (the function) bounds it later, with that reserve or more:
+    a caller that solves several problems bounds only the plan it keeps.
     """
     started = time.perf_counter()
     deadline = None if wall_limit is None else started + wall_limit
@@ -506,16 +510,76 @@ def solve_tied(
     cost = problem.evaluate(assignment)
     if not math.isfinite(cost):
         return None
-    tied_cost = cost
+    inner_stats = dict(inner.stats or {})
+    stats = dict(reduced.stats)  # the untied problem's sizes before and after the exact reductions
+    stats["reduce_s"] = round(reduce_s, 3)
+    stats.update({f"tied_{k}": v for k, v in inner_stats.items() if not k.endswith("_before")})
+    stats.update(tied.stats)
+    # the bound's share, and what the tied solve left of its own (deterministic work, not the clock)
+    left = float(inner_stats.get("budget_left_s", 0.0))
+    reserve = BOUND_SECONDS if time_limit is None else share(1.0 - TIED_SHARE) + left
+    stats.update(
+        {
+            "tied_decisions": int(inner_stats.get("decisions_after", 0)),
+            "tied_status": inner.status,
+            "tied_cost": cost,
+            "tie_find_s": round(find_s, 3),
+            "tie_bound": "deferred",
+            "tying": "restricted",
+            "bound_reserve_s": reserve,
+        }
+    )
+    solution = Solution(tuple(int(s) for s in assignment), cost, _trivial_bound(problem, cost), "feasible",
+                        time.perf_counter() - started, (), stats)
+    if not certify:
+        _REDUCED.append((problem, reduced))
+        del _REDUCED[:-_REDUCED_KEPT]
+        return solution
+    return _certified(problem, reduced, solution, reserve, seed, wall(1.0), started)
+
+
+#: ``solve_tied(certify=False)`` keeps the reductions of its last few problems for ``certify``.
+_REDUCED: list[tuple[Problem, Reduced]] = []
+_REDUCED_KEPT = 3
+
+
+def certify(problem: Problem, solution: Solution, *, time_limit: float | None = None, seed: int = 0,
+            wall_limit: float | None = None) -> Solution:
+    """``solution`` of ``solve_tied(problem, certify=False)`` with a certified bound of the untied problem.
+
+    ``time_limit``: the bound's work budget (default the solution's ``bound_reserve_s``); ``wall_limit`` its
+    wall-clock net. A solution that is not deferred is returned as it is.
+    """
+    stats = dict(solution.stats or {})
+    if stats.get("tie_bound") != "deferred":
+        return solution
+    started = time.perf_counter()
+    reduced = next((r for p, r in reversed(_REDUCED) if p is problem), None)
+    _REDUCED[:] = [(p, r) for p, r in _REDUCED if p is not problem]
+    if reduced is None:
+        reduced = reduce(problem)
+    limit = float(stats["bound_reserve_s"]) if time_limit is None else float(time_limit)
+    return _certified(problem, reduced, solution, limit, seed, wall_limit, started)
+
+
+def _trivial_bound(problem: Problem, cost: float) -> float:
+    """A bound of ``problem`` known without search: 0 where every cost is non-negative (as a plan's times are)."""
+    nonnegative = all(float(np.min(n.costs, initial=0.0)) >= 0 for n in problem.nodes) and all(
+        float(np.min(e.costs, initial=0.0)) >= 0 for e in problem.edges)
+    return min(0.0, cost) if nonnegative else -math.inf
+
+
+def _certified(problem: Problem, reduced: Reduced, solution: Solution, time_limit: float, seed: int,
+               wall_limit: float | None, started: float) -> Solution:
+    """``solution`` (the tied plan, lifted) with the untied bound of ``untied_bound`` and its outcome."""
+    assignment, cost = solution.assignment, solution.cost
+    tied_cost = float(solution.stats["tied_cost"])
     bound_started = time.perf_counter()
     try:
-        # the bound's share, and what the tied solve left of its own (deterministic work, not the clock)
-        left = float((inner.stats or {}).get("budget_left_s", 0.0))
-        own = BOUND_SECONDS if time_limit is None else share(1.0 - TIED_SHARE)
-        bound, how, better = untied_bound(reduced, cost, seed=seed, time_limit=own + left, wall_limit=wall(1.0))
+        bound, how, better = untied_bound(reduced, cost, seed=seed, time_limit=time_limit, wall_limit=wall_limit)
     except KeyboardInterrupt:  # the tied plan is complete: it is the best so far
         raise _interrupted(problem, assignment, started) from None
-    improved = False
+    improved = cost < tied_cost
     if better is not None:  # the pruned untied search beat the tied plan: tying was a restriction
         candidate = reduced.lift(better)
         c = problem.evaluate(candidate)
@@ -523,19 +587,12 @@ def solve_tied(
             assignment, cost, improved = candidate, c, True
     bound = min(bound, cost)
     exact = bound >= cost - 1e-9 * abs(cost)
-    inner_stats = dict(inner.stats or {})
-    stats = dict(reduced.stats)  # the untied problem's sizes before and after the exact reductions
-    stats["reduce_s"] = round(reduce_s, 3)
-    stats.update({f"tied_{k}": v for k, v in inner_stats.items() if not k.endswith("_before")})
-    stats.update(tied.stats)
+    stats = dict(solution.stats)
+    stats.pop("bound_reserve_s", None)
     stats.update(
         {
-            "tied_decisions": int(inner_stats.get("decisions_after", 0)),
-            "tied_status": inner.status,
             "tie_bound": how,
             "tying": "restricted" if improved or not exact else "exact",
-            "tied_cost": tied_cost,
-            "tie_find_s": round(find_s, 3),
             "tie_bound_s": round(time.perf_counter() - bound_started, 3),
         }
     )
@@ -544,7 +601,7 @@ def solve_tied(
         cost,
         cost if exact else bound,
         "optimal" if exact else "feasible",
-        time.perf_counter() - started,
+        solution.wall_time + (time.perf_counter() - started),
         (),
         stats,
     )

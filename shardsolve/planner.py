@@ -27,7 +27,7 @@ import shardsolve.encodings as encodings
 from shardsolve.annotations import argument_pins, carry_pairs, output_pins
 from shardsolve.build import BuildOptions, Built, build_problem, tie_axes
 from shardsolve.encodings import portfolio
-from shardsolve.encodings.tying import solve_tied
+from shardsolve.encodings.tying import certify, solve_tied
 from shardsolve.errors import InfeasibleError, Interrupted, ShardsolveError
 from shardsolve.flax import logical_names
 from shardsolve.graph import Graph, Lit
@@ -498,7 +498,10 @@ def _solve(built: Built, time_limit: float | None, seed: int, tie: bool, say: Ca
     least price is kept. The solves get the ``MERGE_SHARES`` of ``time_limit``,
     each whether or not the next runs (so the plan does not depend on the
     clock). Under a memory limit only the plain problem is solved, with the
-    whole limit.
+    whole limit. Where repeated layers are tied, only the plan kept gets its
+    certified bound of the untied problem (``tying.certify``), with the
+    time the solves left: the bounds' shares of those run and the shares of
+    those not run.
     """
     if built.plain_edges is not None and built.problem.usage_limit is not None:
         # Under a memory limit the search needs its whole time (and the compiled-memory search its
@@ -507,37 +510,44 @@ def _solve(built: Built, time_limit: float | None, seed: int, tie: bool, say: Ca
     if price is None or built.plain_edges is None:
         return search_once(built, time_limit, seed, tie, say)
     shares = iter(MERGE_SHARES)
-    solution = search_once(built, _share(time_limit, next(shares)), seed, tie, say)
+    unused = 1.0 - next(shares)
+    solution = search_once(built, _share(time_limit, 1.0 - unused), seed, tie, say, certify=False)
+    solved = [solution]
     if not _found(solution):
         return solution
     exact = price(solution)
     optimism = _optimism(solution, exact)
     solution = dataclasses.replace(solution, stats=dict(solution.stats) | {"merge_optimism": optimism})
-    if optimism <= OPTIMISM:
-        return solution
-    best, best_price = solution, exact
+    best, best_price, best_problem = solution, exact, built.problem
     counts, priced = built.merge_counts(solution.assignment), "optimistically"
     for pricing, problem, what in (("as planned", built.priced_for(counts), "the merges that plan makes"),
                                    ("plain", built.plain(), "every latency paid")):
+        if optimism <= OPTIMISM:
+            break
         if say:
             say(f"merged collectives priced {priced} cost the plan {optimism:.1%}: solving with {what}")
         priced = pricing
+        part = next(shares)
+        unused -= part
         try:
-            found = search_once(problem, _share(time_limit, next(shares)), seed, tie, say)
+            found = search_once(problem, _share(time_limit, part), seed, tie, say, certify=False)
         except KeyboardInterrupt as interrupt:  # the plans found so far are complete; keep the best
             interrupt = _as_interrupted(interrupt)
             if interrupt.solution is None or not price(interrupt.solution) < best_price:
                 interrupt.solution = dataclasses.replace(best, status="interrupted")
             raise interrupt from None
+        solved.append(found)
         if not _found(found):
             continue
         exact = price(found)
         if exact < best_price:
             best, best_price = dataclasses.replace(found, stats=dict(found.stats) | {"merge_pricing": pricing}), exact
+            best_problem = problem.problem
         optimism = _optimism(found, exact)
-        if optimism <= OPTIMISM:
-            break
-    return best
+    # The bound of the plan kept, with what the solves left: their bounds' reserves and the shares not used.
+    reserve = None if time_limit is None else (
+        unused * time_limit + sum(float((s.stats or {}).get("bound_reserve_s", 0.0)) for s in solved))
+    return certify_once(best_problem, best, reserve, seed, say)
 
 
 def _optimism(solution, exact: float) -> float:
@@ -556,8 +566,13 @@ def _found(solution) -> bool:
     return solution.status not in ("infeasible", "unknown") and math.isfinite(solution.cost)
 
 
-def search_once(built: Built, time_limit: float | None, seed: int, tie: bool, say: Callable[[str], None] | None):
-    """The solver's ``Solution``: tied where the program repeats itself (``tie``), else searched untied."""
+def search_once(built: Built, time_limit: float | None, seed: int, tie: bool, say: Callable[[str], None] | None,
+                certify: bool = True):
+    """The solver's ``Solution``: tied where the program repeats itself (``tie``), else searched untied.
+
+    ``certify=False``: a tied plan comes without its bound of the untied problem (``tying.solve_tied``), for
+    ``certify_once`` to add.
+    """
     solver_progress = _solver_progress(say) if say else None
     solution, started = None, time.perf_counter()
     net = _NET.get()
@@ -566,11 +581,9 @@ def search_once(built: Built, time_limit: float | None, seed: int, tie: bool, sa
         with portfolio.frozen_heap():  # the collector leaves the traced program and the problem alone
             if tie:
                 solution = solve_tied(built.problem, time_limit=time_limit, seed=seed, progress=solver_progress,
-                                      wall_limit=wall)
-                if solution is not None and say:
-                    st = solution.stats
-                    say(f"tied {st['tied_nodes']} nodes in {st['tie_classes']} classes of repeated layers: "
-                        f"{st['tying']} ({st['tie_bound']} bound of the untied problem)")
+                                      wall_limit=wall, certify=certify)
+                if solution is not None and say and certify:
+                    _say_tying(say, solution)
             if solution is None:  # untied, in the time tying left (all of it where tying returned at once)
                 spent = time.perf_counter() - started
                 left = time_limit if time_limit is None or spent < 0.25 * time_limit else max(0.5, time_limit - spent)
@@ -580,6 +593,31 @@ def search_once(built: Built, time_limit: float | None, seed: int, tie: bool, sa
         if net is not None:
             net.spent += time.perf_counter() - started
     return solution
+
+
+def certify_once(problem, solution, time_limit: float | None, seed: int, say: Callable[[str], None] | None = None):
+    """``solution`` of ``search_once(..., certify=False)`` on ``problem`` with its bound of the untied problem
+    (``tying.certify``, ``time_limit`` of work), within the call's wall-clock net; others as they are."""
+    if (solution.stats or {}).get("tie_bound") != "deferred":
+        return solution
+    started = time.perf_counter()
+    net = _NET.get()
+    try:
+        with portfolio.frozen_heap():
+            solution = certify(problem, solution, time_limit=time_limit, seed=seed,
+                               wall_limit=None if net is None else net.for_solve(time_limit))
+    finally:
+        if net is not None:
+            net.spent += time.perf_counter() - started
+    if say:
+        _say_tying(say, solution)
+    return solution
+
+
+def _say_tying(say: Callable[[str], None], solution) -> None:
+    st = solution.stats
+    say(f"tied {st['tied_nodes']} nodes in {st['tie_classes']} classes of repeated layers: "
+        f"{st['tying']} ({st['tie_bound']} bound of the untied problem)")
 
 
 def _solver_progress(say: Callable[[str], None], every: float = 0.25) -> Callable[[str, float, float], None]:
