@@ -619,6 +619,7 @@ class ReshardTables:
         self._small: dict[tuple, np.ndarray] = {}
         self._full: dict[tuple, np.ndarray] = {}
         self._merged: dict[tuple, dict[tuple, np.ndarray]] = {}
+        self._merged_full: dict[tuple, dict[tuple, np.ndarray]] = {}
 
     def ids(self, shardings: Sequence[Sharding]) -> np.ndarray:
         out = np.empty(len(shardings), dtype=np.int64)
@@ -659,8 +660,13 @@ class ReshardTables:
         """The latency in ``table``'s seconds of collectives XLA may merge (``COMBINED_KINDS``), per merge key.
 
         A key is (kind, axes, reduction); a merged collective pays its latency
-        once for all its members.
+        once for all its members. The returned arrays may be shared between
+        edges: never modify them in place.
         """
+        full_key = (shape, itemsize, src.tobytes(), dst.tobytes())
+        hit = self._merged_full.get(full_key)
+        if hit is not None:
+            return hit
         su, si = np.unique(src, return_inverse=True)
         du, di = np.unique(dst, return_inverse=True)
         key = (shape, itemsize, su.tobytes(), du.tobytes())
@@ -677,4 +683,7 @@ class ReshardTables:
                             if k not in small:
                                 small[k] = np.zeros((len(su), len(du)), dtype=np.float64)
                             small[k][a, b] += c.latency
-        return {k: t[np.ix_(si, di)] for k, t in small.items()}
+        out = self._merged_full[full_key] = {k: t[np.ix_(si, di)] for k, t in small.items()}
+        for t in out.values():
+            t.flags.writeable = False
+        return out
