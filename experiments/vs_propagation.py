@@ -150,7 +150,7 @@ def run_one(model_name: str, spec: str, mesh: str, setting: str, size: str, time
         say(f"{model_name} {mesh} {setting}: planning under the expert's memory ({limit} B)")
         try:
             plan = shardsolve.plan(model.fun, *model.args, mesh=mesh, in_shardings=ins, out_shardings=outs,
-                                   memory_limit=limit, time_limit=time_limit, carry=model.carry)
+                                   memory_limit=limit, time_limit=time_limit, carry=model.carry, hints=expert_in)
             col = compare(model.fun, *model.args, mesh=mesh, in_shardings=ins, out_shardings=outs,
                           memory_limit=limit, columns=("shardsolve",), plan=plan).columns[0]
             col = _renamed(col, "shardsolve_mem", "shardsolve @ expert memory")

@@ -111,6 +111,11 @@ def argument_pins(traced: Any, in_shardings: Any, mesh: MeshSpec) -> Pins:
     return _pins(in_shardings, traced.in_tree, traced.in_avals, mesh, "in_shardings")
 
 
+def hint_pins(traced: Any, hints: Any, mesh: MeshSpec) -> Pins:
+    """(hinted sharding or None, label) per flattened argument: ``plan``'s ``hints``, read as ``in_shardings``."""
+    return _pins(hints, traced.in_tree, traced.in_avals, mesh, "hints")
+
+
 def output_pins(traced: Any, out_shardings: Any, mesh: MeshSpec) -> Pins:
     """(pinned sharding or None, label) per flattened output of a ``trace.Traced`` program."""
     return _pins(out_shardings, traced.out_tree, traced.out_avals, mesh, "out_shardings")

@@ -433,7 +433,9 @@ def compare(
     """Compile ``fun(*args)`` with GSPMD, Shardy and shardsolve's plan from the same annotations, and judge all alike.
 
     ``expert_in_shardings`` (and ``expert_out_shardings``) add an ``expert``
-    column: ``jax.jit`` with that annotation under Shardy. ``plan`` reuses an
+    column: ``jax.jit`` with that annotation under Shardy, and the planner takes
+    ``expert_in_shardings`` as ``hints`` (its plan is then never slower in the
+    model than the best plan with the expert's argument shardings). ``plan`` reuses an
     already made plan instead of planning again. ``memory_limit`` is passed to
     the planner and sets each column's ``fits``; ``source`` is recorded in the
     plan (``Plan.source``); ``carry`` goes to the planner (``shardsolve.plan``).
@@ -470,6 +472,7 @@ def compare(
                     plan = make_plan(
                         fun, *args, mesh=spec, in_shardings=in_shardings, out_shardings=out_shardings,
                         memory_limit=limit, time_limit=time_limit, seed=seed, source=source, carry=carry,
+                        hints=expert_in_shardings,
                         progress=(lambda m: say(f"planning: {m}")) if progress else None,
                     )
                 except ShardsolveError as e:

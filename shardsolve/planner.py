@@ -24,7 +24,7 @@ import jax
 import numpy as np
 
 import shardsolve.encodings as encodings
-from shardsolve.annotations import argument_pins, carry_pairs, output_pins
+from shardsolve.annotations import argument_pins, carry_pairs, hint_pins, output_pins
 from shardsolve.build import BuildOptions, Built, build_problem, tie_axes
 from shardsolve.encodings import portfolio
 from shardsolve.encodings.tying import certify, solve_tied
@@ -35,7 +35,7 @@ from shardsolve.hlo import compiled_memory
 from shardsolve.logical import LogicalAxes
 from shardsolve.mesh import MeshSpec, as_mesh_spec
 from shardsolve.plan import Cost, OpPlan, Plan, Signature, predicted_collectives
-from shardsolve.problem import MEMORY_LIMIT_LABEL
+from shardsolve.problem import MEMORY_LIMIT_LABEL, Pin
 from shardsolve.schedule import build_schedule
 from shardsolve.sharding import Sharding
 from shardsolve.trace import abstractify, trace
@@ -138,6 +138,7 @@ def plan(
     uneven: bool = True,
     memory_check: str = "compiled",
     logical_rules: bool = False,
+    hints: Any = None,
 ) -> Plan:
     """Plan the sharding of ``fun(*args)`` on ``mesh``; returns a ``shardsolve.Plan``.
 
@@ -173,6 +174,17 @@ def plan(
     whose ``plan`` is the best complete plan found so far (``status``
     ``"interrupted"``, with its gap), or ``None`` where there was none yet.
 
+    ``hints``: a pytree prefix of the arguments with ``PartitionSpec`` (or
+    ``None``) leaves, shardings known to be good (an expert's). The problem
+    is also solved with the hinted arguments pinned (``HINT_SHARE`` of
+    ``time_limit``, under the memory limit and its compiled check as the
+    rest), and that plan is kept where it is faster, or where it is the only
+    one that fits the memory limit: the plan is never slower in the model
+    than the best plan with the hinted argument shardings, and no memory
+    limit that such a plan meets is called infeasible. ``in_shardings``
+    pins win over hints; ``plan.stats`` say whether the hinted plan was
+    kept (``hint``).
+
     ``expand_scans`` and ``uneven`` are ``build.BuildOptions`` (both on by
     default; off reproduces the planner before scan bodies, resp. uneven
     splits, were planned).
@@ -200,13 +212,13 @@ def plan(
     token = _NET.set(None if time_limit is None else SolvingNet(float(time_limit)))
     try:
         return _plan(fun, args, mesh, in_shardings, out_shardings, memory_limit, time_limit, carry, seed, progress,
-                     source, tie, expand_scans, uneven, memory_check, logical_rules)
+                     source, tie, expand_scans, uneven, memory_check, logical_rules, hints)
     finally:
         _NET.reset(token)
 
 
 def _plan(fun, args, mesh, in_shardings, out_shardings, memory_limit, time_limit, carry, seed, progress, source, tie,
-          expand_scans, uneven, memory_check, logical_rules) -> Plan:
+          expand_scans, uneven, memory_check, logical_rules, hints=None) -> Plan:
     """``plan``'s body, inside the call's ``SolvingNet``."""
     say = progress or (lambda message: None)
     mesh_spec = as_mesh_spec(mesh)
@@ -215,6 +227,7 @@ def _plan(fun, args, mesh, in_shardings, out_shardings, memory_limit, time_limit
     graph, built = _traced_problem(fun, args, mesh_spec, in_shardings, out_shardings, limit, carry, options, say)
     if memory_check not in MEMORY_CHECKS:
         raise ShardsolveError(f"memory_check={memory_check!r} is not one of {', '.join(map(repr, MEMORY_CHECKS))}")
+    hinted = None if hints is None else _hinted(graph, built, hints, mesh_spec)
     free = None
 
     def price(solution) -> float:  # a solution's step time as its plan counts it (merged collectives included)
@@ -225,36 +238,13 @@ def _plan(fun, args, mesh, in_shardings, out_shardings, memory_limit, time_limit
         say(f"solving without logical-axis ties ({len(built.problem.nodes)} nodes)")
         free = _solve(built, _share(time_limit, LOGICAL_FREE_SHARE), seed, tie, say if progress else None, price)
         built = tie_axes(built, graph, axes.ties(), axes.whole())
+        hinted = None if hinted is None else tie_axes(hinted, graph, axes.ties(), axes.whole())
         time_limit = _share(time_limit, 1 - LOGICAL_FREE_SHARE)
-    check_compiled = limit is not None and memory_check == "compiled" and _devices_present(mesh_spec)
-    unlimited, result = None, None
-    if check_compiled:  # the fastest plan of all, where it fits as compiled, needs no search under the limit
-        unlimited = _unlimited_probe(graph, built, mesh_spec, fun, args, source, time_limit, seed, tie, say,
-                                     progress, price)
-    if unlimited is not None and unlimited[1] <= limit:
-        say("the plan without the memory limit fits it as compiled: done")
-        plan, compiled = unlimited
-        stats = dict(plan.stats) | {"memory_rounds": 1, "compiled_peak_memory": compiled}
-        result = dataclasses.replace(plan, stats=tuple(sorted(stats.items())))
+    search = (graph, mesh_spec, fun, args, source, limit, seed, tie, say, progress, price, memory_check)
+    if hinted is None:
+        result = search_plan(built, time_limit, *search)
     else:
-        say(f"solving{' under the memory limit' if check_compiled else ''} ({len(built.problem.nodes)} nodes, "
-            f"{built.problem.num_strategies} strategies)")
-        try:
-            first = _share(time_limit, FIRST_SOLVE_SHARE) if check_compiled else time_limit
-            solution = _solve(built, first, seed, tie, say if progress else None, price)
-        except KeyboardInterrupt as interrupt:  # Ctrl-C: hand back the best complete plan so far, where there is one
-            interrupt = _as_interrupted(interrupt)
-            best = interrupt.solution
-            if best is not None and len(best.assignment) == len(built.problem.nodes):
-                interrupt.plan = to_plan(graph, built, best, mesh_spec, fun, source)
-            raise interrupt from None
-    if check_compiled and result is None:  # an interrupt here carries the best plan that fits as compiled, or none
-        result = _within_compiled_memory(graph, built, solution, mesh_spec, fun, args, source, limit, time_limit,
-                                         seed, tie, say, progress, price, unlimited)
-    elif result is None:
-        _refuse_unsolved(built, solution, limit)
-        say("done")
-        result = to_plan(graph, built, solution, mesh_spec, fun, source)
+        result = _with_hint(built, hinted, time_limit, search)
     if free is None:
         return result
     stats = dict(result.stats)
@@ -266,6 +256,100 @@ def _plan(fun, args, mesh, in_shardings, out_shardings, memory_limit, time_limit
         stats.update(logical_free_cost=free_cost.total, logical_free_peak_memory=free_cost.peak_memory,
                      logical_overhead=result.cost.total / free_cost.total - 1 if free_cost.total > 0 else 0.0)
     return dataclasses.replace(result, logical_axis_rules=axes.rules(result.inputs), stats=tuple(sorted(stats.items())))
+
+
+def search_plan(built: Built, time_limit: float | None, graph: Graph, mesh_spec: MeshSpec, fun: Callable,
+                args: tuple, source: str, limit: float | None, seed: int, tie: bool, say: Callable[[str], None],
+                progress, price: Callable[[Any], float], memory_check: str) -> Plan:
+    """The plan of ``built`` within ``time_limit``: solved, and under a memory limit held as compiled (``plan``'s
+    ``memory_check``)."""
+    check_compiled = limit is not None and memory_check == "compiled" and _devices_present(mesh_spec)
+    unlimited = None
+    if check_compiled:  # the fastest plan of all, where it fits as compiled, needs no search under the limit
+        unlimited = _unlimited_probe(graph, built, mesh_spec, fun, args, source, time_limit, seed, tie, say,
+                                     progress, price)
+    if unlimited is not None and unlimited[1] <= limit:
+        say("the plan without the memory limit fits it as compiled: done")
+        plan, compiled = unlimited
+        stats = dict(plan.stats) | {"memory_rounds": 1, "compiled_peak_memory": compiled}
+        return dataclasses.replace(plan, stats=tuple(sorted(stats.items())))
+    say(f"solving{' under the memory limit' if check_compiled else ''} ({len(built.problem.nodes)} nodes, "
+        f"{built.problem.num_strategies} strategies)")
+    try:
+        first = _share(time_limit, FIRST_SOLVE_SHARE) if check_compiled else time_limit
+        solution = _solve(built, first, seed, tie, say if progress else None, price)
+    except KeyboardInterrupt as interrupt:  # Ctrl-C: hand back the best complete plan so far, where there is one
+        interrupt = _as_interrupted(interrupt)
+        best = interrupt.solution
+        if best is not None and len(best.assignment) == len(built.problem.nodes):
+            interrupt.plan = to_plan(graph, built, best, mesh_spec, fun, source)
+        raise interrupt from None
+    if check_compiled:  # an interrupt here carries the best plan that fits as compiled, or none
+        return _within_compiled_memory(graph, built, solution, mesh_spec, fun, args, source, limit, time_limit,
+                                       seed, tie, say, progress, price, unlimited)
+    _refuse_unsolved(built, solution, limit)
+    say("done")
+    return to_plan(graph, built, solution, mesh_spec, fun, source)
+
+
+#: With ``hints``, the solves with the hinted arguments pinned get this share of ``time_limit``, the rest the others.
+HINT_SHARE = 0.25
+
+
+def _hinted(graph: Graph, built: Built, hints: Any, mesh: MeshSpec) -> Built | None:
+    """``built`` with every hinted argument pinned to its hint (where ``in_shardings`` left it free); None where
+    that pins nothing more."""
+    pinned = {p.node for p in built.problem.pins}
+    pins = list(built.problem.pins)
+    for k, (sharding, label) in enumerate(hint_pins(graph.traced, hints, mesh)):
+        node = built.value_node.get(graph.inputs[k])
+        if sharding is None or node is None or node in pinned:
+            continue
+        cands = built.nodes[node].shardings
+        if sharding not in cands:
+            raise ShardsolveError(f"{label} is not a sharding the planner considers for this argument (an uneven "
+                                  "or partial split); hint another or leave it free")
+        pins.append(Pin(node, (cands.index(sharding),), label))
+    if len(pins) == len(built.problem.pins):
+        return None
+    return dataclasses.replace(built, problem=dataclasses.replace(built.problem, pins=tuple(pins)))
+
+
+def _with_hint(built: Built, hinted: Built, time_limit: float | None, search: tuple) -> Plan:
+    """The faster of ``built``'s plan and ``hinted``'s (``HINT_SHARE`` of ``time_limit``), or the one found; the
+    first's ``InfeasibleError`` where neither is."""
+    say = search[8]
+    error = None
+    try:
+        plan = search_plan(built, _share(time_limit, 1 - HINT_SHARE), *search)
+    except ShardsolveError as e:  # no plan (infeasible, or none within the time): the hinted one may be
+        plan, error = None, e
+    say("solving with the hinted argument shardings pinned")
+    try:
+        hint_plan = search_plan(hinted, _share(time_limit, HINT_SHARE), *search)
+    except ShardsolveError:
+        hint_plan = None
+    except KeyboardInterrupt as interrupt:  # the plan without the hints is complete: the best so far, or the hinted
+        interrupt = _as_interrupted(interrupt)  # one's best where that is faster
+        if plan is not None and (interrupt.plan is None or plan.cost.total <= interrupt.plan.cost.total):
+            interrupt.plan = dataclasses.replace(plan, status="interrupted")
+        raise interrupt from None
+    if hint_plan is None and plan is None:
+        raise error
+    kept = plan is None or (hint_plan is not None and hint_plan.cost.total < plan.cost.total)
+    best = hint_plan if kept else plan
+    stats = dict(best.stats) | {"hint": "kept" if kept else "not kept",
+                                "hint_cost": None if hint_plan is None else hint_plan.cost.total}
+    best = dataclasses.replace(best, stats=tuple(sorted(stats.items())))
+    if not kept:
+        return best
+    # The hinted plan is optimal (at best) with the hints pinned; of the problem without them, only the other
+    # search's bound speaks (none where it found no plan).
+    cost = best.cost.total
+    bound = min(cost, plan.lower_bound) if plan is not None else 0.0
+    proven = bound >= cost - 1e-9 * abs(cost)
+    return dataclasses.replace(best, status="optimal" if proven else "feasible", lower_bound=bound,
+                               gap=0.0 if proven or cost <= 0 else (cost - bound) / cost)
 
 
 def _logical_axes(args: tuple, graph: Graph, in_shardings: Any, mesh: MeshSpec) -> LogicalAxes:

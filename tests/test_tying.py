@@ -92,6 +92,25 @@ def test_tied_solution_is_priced_on_the_untied_problem():
         assert tied.stats["tying"] == "exact"
 
 
+def test_a_deferred_bound_certifies_as_the_bound_in_one_call_does():
+    """``solve_tied(certify=False)`` stops at the tied plan (the trivial bound, its bound's work reserved);
+    ``certify`` with that reserve gives what ``solve_tied`` gives in one call, and other solutions pass through."""
+    from shardsolve.encodings.tying import certify
+
+    _, built = _stack_built()
+    problem = built.problem
+    whole = solve_tied(problem, time_limit=20)
+    deferred = solve_tied(problem, time_limit=20, certify=False)
+    assert deferred.stats["tie_bound"] == "deferred" and deferred.status == "feasible"
+    assert deferred.lower_bound == 0.0 and deferred.stats["bound_reserve_s"] > 0
+    assert deferred.cost == pytest.approx(problem.evaluate(deferred.assignment), rel=1e-12)
+    done = certify(problem, deferred)
+    assert (done.assignment, done.cost, done.lower_bound, done.status) == (
+        whole.assignment, whole.cost, whole.lower_bound, whole.status)
+    assert done.stats["tie_bound"] == whole.stats["tie_bound"] and "bound_reserve_s" not in done.stats
+    assert certify(problem, done) is done
+
+
 def test_tie_edges_fold_into_one_node_per_class():
     _, built = _stack_built()
     reduced = reduce(built.problem)

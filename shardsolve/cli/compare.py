@@ -50,7 +50,8 @@ def add_parser(sub: Any) -> None:
     )
     add_model_arguments(p, annotations_help="which of the model's annotations every program gets (default: the "
                         "model's own)", memory_help="bytes per device for the plan and the 'fits' row, e.g. 16GiB")
-    p.add_argument("--no-expert", action="store_true", help="leave out the expert annotation column")
+    p.add_argument("--no-expert", action="store_true",
+                   help="leave out the expert annotation: its column, and its argument shardings as the planner's hints")
     p.add_argument("--explain", action="store_true", help="list the largest collectives of every column, and conflicts")
     p.add_argument("--top", type=int, default=8, help="collectives per column with --explain (default: 8)")
     p.add_argument("-o", "--output", help="write the comparison as JSON to this file")
@@ -95,8 +96,8 @@ def _compare(args: argparse.Namespace, mesh: MeshSpec) -> tuple[Model, Compariso
             out_shardings=out_sh,
             memory_limit=args.memory_limit,
             time_limit=args.time_limit,
-            expert_in_shardings=None if args.annotations == "expert" else model.expert_in_shardings,
-            expert_out_shardings=None if args.annotations == "expert" else model.expert_out_shardings,
+            expert_in_shardings=None if args.annotations == "expert" or args.no_expert else model.expert_in_shardings,
+            expert_out_shardings=None if args.annotations == "expert" or args.no_expert else model.expert_out_shardings,
             progress=lambda message: status.update(message),
             columns=columns,
             source=str(source_of(args)),

@@ -1,0 +1,64 @@
+"""``plan(..., hints=...)``: argument shardings known to be good, solved as a pinned candidate beside the free search."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import shardsolve
+from shardsolve import planner
+from shardsolve.errors import InfeasibleError, ShardsolveError
+
+MESH = "data=2,model=4"
+
+
+def _mlp_step(params, x):
+    def loss(p):
+        return jnp.mean((jnp.tanh(x @ p["w1"]) @ p["w2"]) ** 2)
+
+    value, grads = jax.value_and_grad(loss)(params)
+    return jax.tree_util.tree_map(lambda p, g: p - 0.1 * g, params, grads), value
+
+
+ARGS = ({"w1": jax.ShapeDtypeStruct((64, 256), jnp.float32), "w2": jax.ShapeDtypeStruct((256, 64), jnp.float32)},
+        jax.ShapeDtypeStruct((32, 64), jnp.float32))
+BATCH = (None, P("data"))
+EXPERT = ({"w1": P(None, "model"), "w2": P("model", None)}, P("data"))
+
+
+def test_a_hinted_plan_is_no_slower_than_the_best_plan_with_those_argument_shardings():
+    hinted = shardsolve.plan(_mlp_step, *ARGS, mesh=MESH, in_shardings=BATCH, hints=EXPERT, carry=[(0, 0)])
+    pinned = shardsolve.plan(_mlp_step, *ARGS, mesh=MESH, in_shardings=EXPERT, carry=[(0, 0)])
+    free = shardsolve.plan(_mlp_step, *ARGS, mesh=MESH, in_shardings=BATCH, carry=[(0, 0)])
+    stats = dict(hinted.stats)
+    assert stats["hint"] in ("kept", "not kept")
+    assert stats["hint_cost"] == pytest.approx(pinned.cost.total, rel=1e-9)  # the hinted search is the pinned one
+    assert hinted.cost.total <= min(pinned.cost.total, free.cost.total) * (1 + 1e-9)
+    assert hinted.in_shardings[1].spec == P("data")  # the user's pin holds
+
+
+def test_the_hinted_plan_is_kept_where_the_search_without_it_finds_none(monkeypatch):
+    """Where the search without the hints ends in ``InfeasibleError``, the hinted plan is the answer, its argument
+    shardings the hinted ones; where both fail the first error is raised."""
+    search = planner.search_plan
+
+    def unhinted_fails(built, *args, **kwargs):
+        if len(built.problem.pins) <= 1:  # only the batch pin: the search without the hints
+            raise InfeasibleError("no plan satisfies the memory limit", ("memory limit",))
+        return search(built, *args, **kwargs)
+
+    monkeypatch.setattr(planner, "search_plan", unhinted_fails)
+    plan = shardsolve.plan(_mlp_step, *ARGS, mesh=MESH, in_shardings=BATCH, hints=EXPERT)
+    assert dict(plan.stats)["hint"] == "kept"
+    assert plan.status == "feasible" and plan.lower_bound == 0.0  # optimal only with the hints pinned: no bound
+    assert plan.in_shardings[0]["w1"].spec == P(None, "model") and plan.in_shardings[0]["w2"].spec == P("model")
+    with pytest.raises(InfeasibleError, match="memory limit"):
+        shardsolve.plan(_mlp_step, *ARGS, mesh=MESH, in_shardings=BATCH, hints=({"w1": None, "w2": None}, None))
+
+
+def test_a_hint_naming_no_mesh_axis_is_one_line_naming_it():
+    with pytest.raises(ShardsolveError, match="hints") as info:
+        shardsolve.plan(_mlp_step, *ARGS, mesh=MESH, in_shardings=BATCH, hints=({"w1": P("nope"), "w2": None}, None))
+    assert "\n" not in str(info.value)
