@@ -195,7 +195,7 @@ PHASES = ("lp", "starts", "feasibility", "whole model", "bounds", "search")
 
 
 NOTES = """
-Notes. Up to 5,000 nodes (B, G, V), TRW-S runs first as a probe (memory relaxed, at most 240 passes
+Notes. Up to 5,000 nodes (B, G, V), TRW-S runs first as a probe (memory relaxed, at most 800 passes
 and half the budget), reading an assignment off its messages every 16 passes: on B and G its bound
 meets one, which proves it optimal with no LP. Where it proves nothing, the LP with memory runs over
 the entries an assignment cheaper than the probe's can use, where they fit (on V they do not); the
