@@ -57,8 +57,8 @@ import numpy as np
 from shardsolve.encodings import kernels
 from shardsolve.encodings.flat import Flat, evaluate, sweep_charge
 
-__all__ = ["trivial_bound", "dual_bound", "trws_bound", "trws_charge", "trws_pass_charge", "trws_decode",
-           "pruned_above", "lp_solve", "lp_bound", "lagrangian_bound"]
+__all__ = ["trivial_bound", "dual_bound", "trws_bound", "trws_charge", "trws_pass_charge", "trws_decode_charge",
+           "trws_decode", "pruned_above", "lp_solve", "lp_bound", "lagrangian_bound"]
 
 #: LP bounds are only attempted up to this many pair variables.
 LP_MAX_PAIRS = 300_000
@@ -151,7 +151,12 @@ TRWS_DECODE_SWEEPS = 2.0
 def trws_charge(flat: Flat, passes: int, decodes: int = 0) -> float:
     """Deterministic charge (seconds) of ``trws_bound`` running ``passes`` passes over ``flat`` and reading
     ``decodes`` assignments off them."""
-    return passes * trws_pass_charge(flat) + (TRWS_SETUP_SWEEPS + TRWS_DECODE_SWEEPS * decodes) * sweep_charge(flat)
+    return passes * trws_pass_charge(flat) + TRWS_SETUP_SWEEPS * sweep_charge(flat) + decodes * trws_decode_charge(flat)
+
+
+def trws_decode_charge(flat: Flat) -> float:
+    """Deterministic charge (seconds) of reading one assignment off the messages and evaluating it."""
+    return TRWS_DECODE_SWEEPS * sweep_charge(flat)
 
 
 def trws_pass_charge(flat: Flat) -> float:

@@ -62,7 +62,7 @@ def _offsets(sizes) -> np.ndarray:
     return out
 
 
-def _csr(n: int, rows: list[list[tuple[int, int, int]]]) -> tuple[np.ndarray, np.ndarray]:
+def _csr(rows: list[list[tuple[int, int, int]]]) -> tuple[np.ndarray, np.ndarray]:
     ptr = _offsets([len(r) for r in rows])
     items = np.array([item for r in rows for item in r], dtype=np.int64).reshape(-1, 3)
     return ptr, items
@@ -86,8 +86,8 @@ def pack(costs: list[np.ndarray], tables: list[np.ndarray], eu, ev, adj, gamma: 
     for i in range(n):
         for e, j, is_u in adj[i]:
             (ahead_rows if j > i else behind_rows)[i].append((int(e), int(bool(is_u)), int(j)))
-    ahead_ptr, ahead = _csr(n, ahead_rows)
-    behind_ptr, behind = _csr(n, behind_rows)
+    ahead_ptr, ahead = _csr(ahead_rows)
+    behind_ptr, behind = _csr(behind_rows)
     buffer = int(np.max(np.diff(noff))) if n else 0
     return Packed(noff, flat_costs, eu, ev, toff, flat_tables, uoff, voff, np.asarray(gamma, dtype=np.float64),
                   ahead_ptr, ahead, behind_ptr, behind, buffer)

@@ -441,7 +441,7 @@ class Portfolio:
         """
         flat, stats = self.flat, self.stats
         # a pass, and its share of the assignments read off
-        per_pass = bounds.trws_pass_charge(flat) + bounds.trws_charge(flat, 0, 1) / PROBE_DECODE_EVERY
+        per_pass = bounds.trws_pass_charge(flat) + bounds.trws_decode_charge(flat) / PROBE_DECODE_EVERY
         passes = int(min(PROBE_PASSES, PROBE_SHARE * self.budget / per_pass))
         if passes < PROBE_DECODE_EVERY:
             return None

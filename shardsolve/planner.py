@@ -244,7 +244,7 @@ def _plan(fun, args, mesh, in_shardings, out_shardings, memory_limit, time_limit
     if hinted is None:
         result = search_plan(built, time_limit, *search)
     else:
-        result = _with_hint(built, hinted, time_limit, search)
+        result = _with_hint(built, hinted, time_limit, search, say)
     if free is None:
         return result
     stats = dict(result.stats)
@@ -315,10 +315,10 @@ def _hinted(graph: Graph, built: Built, hints: Any, mesh: MeshSpec) -> Built | N
     return dataclasses.replace(built, problem=dataclasses.replace(built.problem, pins=tuple(pins)))
 
 
-def _with_hint(built: Built, hinted: Built, time_limit: float | None, search: tuple) -> Plan:
+def _with_hint(built: Built, hinted: Built, time_limit: float | None, search: tuple,
+               say: Callable[[str], None]) -> Plan:
     """The faster of ``built``'s plan and ``hinted``'s (``HINT_SHARE`` of ``time_limit``), or the one found; the
     first's ``InfeasibleError`` where neither is."""
-    say = search[8]
     error = None
     try:
         plan = search_plan(built, _share(time_limit, 1 - HINT_SHARE), *search)
