@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -222,6 +222,8 @@ def programs(draw):
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(programs())
+# exp(exp(exp(.))) overflows: the lowered program must match the infs in place.
+@example(([8, 8, 8, 8], 8, [1, 1, 1], "none", "x=8", None))
 def test_random_programs_match_numerics(program):
     dims, batch, acts, reduce, mesh, x_spec = program
 
