@@ -21,6 +21,8 @@ together, from z3 unsat cores. The modules, in the order a problem meets them:
 ``kernels``     TRW-S passes and bound checks compiled with numba
 ``smt``         z3: cross-checks of small problems and unsat cores
 ``portfolio``   ``solve``: the phases above in order, one deterministic budget
+``polish``      least memory among equal costs: a solution's nodes moved to
+                strategies of the same cost and less usage (the planner's last step)
 ==============  ===============================================================
 
 On IOPDDL instances B and G the LP relaxation with the memory constraints is

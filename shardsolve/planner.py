@@ -27,6 +27,7 @@ import shardsolve.encodings as encodings
 from shardsolve.annotations import argument_pins, carry_pairs, hint_pins, output_pins
 from shardsolve.build import BuildOptions, Built, build_problem, tie_axes
 from shardsolve.encodings import portfolio
+from shardsolve.encodings.polish import polish_usage
 from shardsolve.encodings.tying import certify, solve_tied
 from shardsolve.errors import InfeasibleError, Interrupted, ShardsolveError
 from shardsolve.flax import logical_names
@@ -676,7 +677,19 @@ def search_once(built: Built, time_limit: float | None, seed: int, tie: bool, sa
     finally:
         if net is not None:
             net.spent += time.perf_counter() - started
-    return solution
+    return _polished(built, solution)
+
+
+def _polished(built: Built, solution):
+    """``solution`` with the least memory among strategies of equal cost (``encodings.polish``)."""
+    if solution is None or not _found(solution):
+        return solution
+    assignment, moved = polish_usage(built.problem, solution.assignment)
+    if not moved:
+        return solution
+    cost = min(float(solution.cost), built.problem.evaluate(assignment))
+    return dataclasses.replace(solution, assignment=assignment, cost=cost,
+                               stats=dict(solution.stats or {}) | {"polished_units": moved})
 
 
 def certify_once(problem, solution, time_limit: float | None, seed: int, say: Callable[[str], None] | None = None):

@@ -261,7 +261,7 @@ def _reductions(x):
     return jnp.exp(x).sum(axis=0), (x - 5.0).max(axis=0), (x + 5.0).min(axis=0)
 
 
-@pytest.mark.parametrize("seed, reductions", [(3, ("reduce_max", "reduce_min")), (5, ("reduce_sum", "reduce_max")),
+@pytest.mark.parametrize("seed, reductions", [(3, ("reduce_max", "reduce_min")), (13, ("reduce_max",)),
                                               (11, ("exp", "reduce_sum"))])
 def test_reduction_over_an_uneven_split_pads_with_the_identity(seed, reductions):
     """sum, max and min over 10 rows split 4 ways (shards of 3), under random strategies."""
