@@ -674,10 +674,11 @@ def search_once(built: Built, time_limit: float | None, seed: int, tie: bool, sa
                 left = time_limit if time_limit is None or spent < 0.25 * time_limit else max(0.5, time_limit - spent)
                 solution = encodings.solve(built.problem, time_limit=left, seed=seed, progress=solver_progress,
                                            wall_limit=None if wall is None else max(0.0, wall - spent))
+        solution = _polished(built, solution)  # inside the net: its time is the solve's
     finally:
         if net is not None:
             net.spent += time.perf_counter() - started
-    return _polished(built, solution)
+    return solution
 
 
 def _polished(built: Built, solution):
