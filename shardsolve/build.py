@@ -32,7 +32,7 @@ method                 adds
 =====================  ===========================================================
 ``add_arguments``      argument and constant nodes, pinned by ``in_shardings``
 ``add_ops``            op nodes (``add_op``) and scans (``add_scan``) in program order
-``add_operand_read``   beside each op node, per operand: the buffer a reshard makes for it, during its step
+``add_operands``       beside each op node: the operand layouts it reads, live during its step
 ``add_scan``           a scan's boundary nodes (``add_scan_operands``), its body's
                        closed-over constants, its body's ops, its y-slices
 ``read_edge``          the edge from a value's producer to one consumer
@@ -334,7 +334,7 @@ class RuleStrategies:
     strategies: tuple[Strategy, ...]
     costs: np.ndarray
     usage: np.ndarray
-    operand_bytes: np.ndarray  # [S, operands]: bytes of each operand layout a strategy reads from memory
+    operand_usage: np.ndarray  # bytes of the operand layouts each strategy reads from memory
     labels: tuple[str, ...]
     operand_ids: tuple[np.ndarray, ...]
     result_ids: tuple[np.ndarray, ...]
@@ -355,19 +355,19 @@ class RuleStrategies:
             dtype=np.float64,
         )
         read = traffic[:n_in] if traffic is not None else (True,) * n_in
-        operand_bytes = np.array(  # the layouts it reads (a reshard's result is a buffer of its own)
+        operand_usage = np.array(  # the layouts it reads, materialised (a reshard's result is a new buffer)
             [
-                [float(o.local_bytes(rule.operand_shape(k), itemsizes[k], mesh)) if read[k] and k not in fixed
-                 else 0.0 for k, o in enumerate(s.operands)]
+                sum(o.local_bytes(rule.operand_shape(k), itemsizes[k], mesh)
+                    for k, o in enumerate(s.operands) if read[k] and k not in fixed)
                 for s in strategies
             ],
             dtype=np.float64,
-        ).reshape(len(strategies), n_in)
+        )
         return cls(
             strategies,
             costs,
             usage,
-            operand_bytes,
+            operand_usage,
             tuple(s.describe() for s in strategies),
             tuple(tables.ids([s.operands[k] for s in strategies]) for k in range(n_in)),
             tuple(tables.ids([s.results[k] for s in strategies]) for k in range(len(rule.results))),
@@ -400,8 +400,6 @@ class ProblemBuilder:
         self.produced_at: dict[tuple, tuple[int, list[Sharding]]] = {}
         self.ids_at: dict[tuple, np.ndarray] = {}
         self.rule_cache: dict[tuple, RuleStrategies] = {}
-        # (id of a RuleStrategies, operand) -> what ``add_operand_read`` builds from it alone (the entry keeps it alive)
-        self.operand_reads: dict[tuple[int, int], tuple] = {}
         self.scans: dict[Scope, ScanNodes] = {}
         # A scan's loop invariants (its consts, its body's closed-over constants) are resharded
         # once, before the loop (see ``schedule.loop_invariant_demands``): their reads cost the scan's scale.
@@ -451,10 +449,8 @@ class ProblemBuilder:
             u, v, table = v, u, table.T
         edges[(u, v)] = edges[(u, v)] + table if (u, v) in edges else table
 
-    def read_edge(self, scope: Scope, g: Graph, x: int, dst: np.ndarray, to: int,
-                  scale: float) -> tuple[int, np.ndarray]:
-        """Node ``to`` reads value ``x`` of ``g`` in the shardings ``dst`` (ids, per strategy of ``to``);
-        returns the producer node and the read's reshard table (before ``scale``)."""
+    def read_edge(self, scope: Scope, g: Graph, x: int, dst: np.ndarray, to: int, scale: float) -> None:
+        """Node ``to`` reads value ``x`` of ``g`` in the shardings ``dst`` (ids, per strategy of ``to``)."""
         scale = self.invariant_scale.get((scope, x), scale)
         value = g.values[x]
         producer, srcs = self.produced_at[(scope, x)]
@@ -470,7 +466,6 @@ class ProblemBuilder:
                 info = self.infos[to]
                 self.reads.append(Read(producer, to, x, info.ref if info.kind != "output" else None, dst))
         self.add_edge(producer, to, table * scale if scale != 1 else table)
-        return producer, table
 
     def pending_sums(self) -> list[int]:
         """The program's values that may start a pending sum.
@@ -680,6 +675,7 @@ class ProblemBuilder:
             self.scans[scope].op_node[op.id] = idx
         else:
             self.op_node[op.id] = idx
+            self.add_operands(idx, rs, interval[0], name, op.id)
         produced_at, ids_at = self.produced_at, self.ids_at
         for r, v in enumerate(op.outputs):
             produced_at[(scope, v)] = (idx, [s.results[r] for s in rs.strategies])
@@ -687,44 +683,24 @@ class ProblemBuilder:
         read_edge = self.read_edge
         for k, x in enumerate(op.inputs):
             if not isinstance(x, Lit):
-                producer, table = read_edge(scope, g, x, rs.operand_ids[k], idx, scale)
-                if not scope and np.any(rs.operand_bytes[:, k]):
-                    self.add_operand_read(idx, rs, k, producer, table, interval[0], name, op.id)
+                read_edge(scope, g, x, rs.operand_ids[k], idx, scale)
 
-    def add_operand_read(self, idx: int, rs: RuleStrategies, k: int, producer: int, reshard: np.ndarray,
-                         step: int, name: str, op_id: int) -> None:
-        """The memory of operand ``k`` of op node ``idx`` as its strategy reads it, during its own time step.
+    def add_operands(self, idx: int, rs: RuleStrategies, step: int, name: str, op_id: int) -> None:
+        """The memory of the operand layouts op node ``idx`` reads, live during its own time step.
 
-        Where the layout a strategy reads is the producer's, the op reads the
-        producer's buffer and nothing more is held; where a reshard makes it
-        (an all-gathered weight of FSDP is a whole weight), its result is a
-        buffer of its own. Which one depends on both nodes' strategies, so the
-        node has two strategies per layout ``c`` the op may read: "kept c"
-        (no bytes) and "made c" (c's bytes). An edge from the op allows only
-        its layout's pair; one from the producer allows "kept c" where the
-        reshard to ``c`` moves nothing (``reshard``, the read's table, is 0:
-        the same layout, or a local slice that XLA fuses into its reader) and
-        "made c" elsewhere. The node costs nothing.
+        A consumer reads each operand in its strategy's layout; where that is
+        not the producer's, the reshard's result is a buffer of its own (an
+        all-gathered weight of FSDP is a whole weight). The node takes the op's
+        strategy (an edge forbids any other), costs nothing and holds those
+        bytes from ``step`` to ``step + 1``: where no reshard is needed it
+        counts the operand twice for one step, so the peak errs high.
         """
-        key = (id(rs), k)
-        shape = self.operand_reads.get(key)
-        if shape is None:  # shared by the equal ops that share ``rs``
-            ids, first, pos = np.unique(rs.operand_ids[k], return_index=True, return_inverse=True)
-            n_c, n_op = len(ids), len(rs.strategies)
-            names = [str(self.tables.shardings[int(i)]) for i in ids]
-            reads = np.full((n_op, 2 * n_c), FORBIDDEN)
-            reads[np.arange(n_op), pos] = 0.0
-            reads[np.arange(n_op), n_c + pos] = 0.0
-            shape = self.operand_reads[key] = (
-                first, np.concatenate([np.zeros(n_c), rs.operand_bytes[first, k]]), reads,
-                tuple(f"kept {n}" for n in names) + tuple(f"made {n}" for n in names), rs)
-        first, usage, reads, labels, _ = shape
-        aux = self.add(Node(f"{name} operand[{k}]", np.zeros(len(usage)), usage, (step, step + 1), labels),
-                       NodeInfo("operands", op_id))
-        self.edges[(idx, aux)] = reads
-        free = reshard[:, first] == 0.0  # [producer strategies, layouts]: reached without moving anything
-        self.add_edge(producer, aux, np.concatenate([np.where(free, 0.0, FORBIDDEN), np.where(free, FORBIDDEN, 0.0)],
-                                                    axis=1))
+        if not np.any(rs.operand_usage):
+            return
+        aux = self.add(Node(f"{name} operands", np.zeros(len(rs.strategies)), rs.operand_usage, (step, step + 1),
+                            rs.labels), NodeInfo("operands", op_id, strategies=rs.strategies))
+        n = len(rs.strategies)
+        self.edges[(idx, aux)] = np.where(np.eye(n, dtype=bool), 0.0, FORBIDDEN)
 
     # -- scans -------------------------------------------------------------------------
 
