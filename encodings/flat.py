@@ -41,7 +41,7 @@ import numpy as np
 
 from shardsolve.problem import FORBIDDEN, Problem
 
-__all__ = ["Flat", "flatten", "evaluate", "profile", "tolerance", "subproblem", "prune", "softened", "CHARGE_PER_ITEM",
+__all__ = ["Flat", "EdgeReads", "edge_reads", "flatten", "evaluate", "profile", "tolerance", "subproblem", "prune", "softened", "CHARGE_PER_ITEM",
            "CHARGE_PER_TABLE_ENTRY", "sweep_charge"]
 
 INF = math.inf
@@ -84,6 +84,49 @@ class Flat:
 
     def live(self, t: int) -> np.ndarray:
         return np.flatnonzero((self.seg_start <= t) & (self.seg_end > t))
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class EdgeReads:
+    """Index arrays that read edge tables at the neighbours' strategies (see ``edge_reads``)."""
+
+    table: np.ndarray  # every edge's table, raveled and concatenated in edge order
+    u_target: np.ndarray  # u side: entry (edge k, row a) adds table_k[a, x_v] to strategy slot u_target
+    u_base: np.ndarray
+    u_other: np.ndarray
+    v_target: np.ndarray  # v side: entry (edge k, column b) adds table_k[x_u, b] to strategy slot v_target
+    v_base: np.ndarray
+    v_other: np.ndarray
+    v_stride: np.ndarray
+
+    def add(self, out: np.ndarray, x: np.ndarray) -> np.ndarray:
+        """``out`` (one entry per strategy slot) plus every read edge's entries towards the strategies ``x``."""
+        if len(self.u_target):
+            out += np.bincount(self.u_target, self.table[self.u_base + x[self.u_other]], minlength=len(out))
+            out += np.bincount(self.v_target, self.table[self.v_base + x[self.v_other] * self.v_stride],
+                               minlength=len(out))
+        return out
+
+
+def edge_reads(eu: np.ndarray, ev: np.ndarray, sizes: np.ndarray, offsets: np.ndarray,
+               tables, edges: np.ndarray | None = None) -> EdgeReads:
+    """The reads of the edges ``edges`` (all where None) of a problem whose node ``i`` has ``sizes[i]``
+    strategies in slots from ``offsets[i]``: two ``bincount`` calls then give every strategy's edge cost
+    towards its neighbours' current strategies (``EdgeReads.add``)."""
+    eu, ev = eu.astype(np.int64), ev.astype(np.int64)
+    su, sv = sizes[eu], sizes[ev]
+    toff = np.concatenate([[0], np.cumsum(su * sv)[:-1]]).astype(np.int64)
+    table = np.concatenate([t.ravel() for t in tables]) if len(tables) else np.zeros(0)
+    edges = np.arange(len(eu)) if edges is None else edges
+    if not len(edges):
+        none = np.zeros(0, dtype=np.int64)
+        return EdgeReads(table, none, none, none, none, none, none, none)
+    k_u = np.repeat(edges, su[edges])
+    a = np.arange(len(k_u)) - np.repeat(np.concatenate([[0], np.cumsum(su[edges])[:-1]]), su[edges])
+    k_v = np.repeat(edges, sv[edges])
+    b = np.arange(len(k_v)) - np.repeat(np.concatenate([[0], np.cumsum(sv[edges])[:-1]]), sv[edges])
+    return EdgeReads(table, offsets[eu][k_u] + a, toff[k_u] + a * sv[k_u], ev[k_u],
+                     offsets[ev][k_v] + b, toff[k_v] + b, eu[k_v], sv[k_v])
 
 
 def _finite(costs: np.ndarray) -> np.ndarray:

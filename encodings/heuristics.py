@@ -32,7 +32,7 @@ import time
 
 import numpy as np
 
-from shardsolve.encodings.flat import CHARGE_PER_ITEM, INF, Flat, evaluate, profile, tolerance
+from shardsolve.encodings.flat import CHARGE_PER_ITEM, INF, Flat, edge_reads, evaluate, profile, tolerance
 
 __all__ = ["icm", "repair", "forest_descent", "warm_start", "least_usage", "OneNodeMoves"]
 
@@ -282,25 +282,9 @@ class OneNodeMoves:
         self.costs = np.concatenate(flat.costs) if flat.n else np.zeros(0)
         self.usages = np.concatenate(flat.usages) if flat.n else np.zeros(0)
         self.decision = sizes > 1
-        eu, ev = flat.eu.astype(np.int64), flat.ev.astype(np.int64)
-        su, sv = sizes[eu], sizes[ev]
-        tsize = su * sv
-        toff = np.concatenate([[0], np.cumsum(tsize)[:-1]]).astype(np.int64)
-        self.table = np.concatenate([t.ravel() for t in flat.tables]) if len(flat.tables) else np.zeros(0)
-        # u side: entry (edge k, row a) adds table_k[a, x_v] to strategy a of u
-        k_u = np.repeat(np.arange(len(eu)), su)
-        a = np.arange(int(su.sum())) - np.repeat(np.concatenate([[0], np.cumsum(su)[:-1]]), su)
-        self.u_target = self.offsets[eu][k_u] + a
-        self.u_base = toff[k_u] + a * sv[k_u]
-        self.u_other = ev[k_u]
-        # v side: entry (edge k, column b) adds table_k[x_u, b] to strategy b of v
-        k_v = np.repeat(np.arange(len(ev)), sv)
-        b = np.arange(int(sv.sum())) - np.repeat(np.concatenate([[0], np.cumsum(sv)[:-1]]), sv)
-        self.v_target = self.offsets[ev][k_v] + b
-        self.v_base = toff[k_v] + b
-        self.v_other = eu[k_v]
-        self.v_stride = sv[k_v]
-        self.round_charge = CHARGE_PER_ENTRY * (len(self.costs) + len(self.u_target) + len(self.v_target)) \
+        # entry (edge k, row a) adds table_k[a, x_v] to strategy a of u; (edge k, column b) table_k[x_u, b] to b of v
+        self.reads = edge_reads(flat.eu, flat.ev, sizes, self.offsets, flat.tables)
+        self.round_charge = CHARGE_PER_ENTRY * (len(self.costs) + len(self.reads.u_target) + len(self.reads.v_target)) \
             + CHARGE_PER_ITEM * 0.1 * (flat.n + len(flat.tables))
 
     @staticmethod
@@ -309,12 +293,7 @@ class OneNodeMoves:
 
     def local_costs(self, x: np.ndarray) -> np.ndarray:
         """Every strategy's cost given the neighbours' current strategies in ``x``."""
-        m = len(self.costs)
-        out = self.costs.copy()
-        if len(self.u_target):
-            out += np.bincount(self.u_target, self.table[self.u_base + x[self.u_other]], minlength=m)
-            out += np.bincount(self.v_target, self.table[self.v_base + x[self.v_other] * self.v_stride], minlength=m)
-        return out
+        return self.reads.add(self.costs.copy(), x)
 
     def room(self, prof: np.ndarray, x: np.ndarray) -> np.ndarray:
         """Per node, the usage it may take: its current usage plus the least free capacity over its interval."""

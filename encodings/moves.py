@@ -34,7 +34,7 @@ import numpy as np
 import time
 from dataclasses import replace
 
-from shardsolve.encodings.flat import CHARGE_PER_ITEM, INF, Flat, evaluate, profile, tolerance
+from shardsolve.encodings.flat import CHARGE_PER_ITEM, INF, Flat, edge_reads, evaluate, profile, tolerance
 
 __all__ = ["GroupMoves", "priced_descent", "quotient", "GROUP_MAX_NODES", "GROUP_MAX_CONFIGS", "PRICES"]
 
@@ -179,21 +179,10 @@ class GroupMoves:
         ext = ~internal_edge
         self.internal_edge = internal_edge
         self.ext_u, self.ext_v = eu[ext], ev[ext]
+        self.reads = edge_reads(eu, ev, sizes, self.offsets, flat.tables, np.flatnonzero(ext))
+        self.table = self.reads.table
         su, sv = sizes[eu], sizes[ev]
-        toff = np.concatenate([[0], np.cumsum(su * sv)[:-1]]).astype(np.int64)
-        self.table = np.concatenate([t.ravel() for t in flat.tables]) if len(flat.tables) else np.zeros(0)
-        edges = np.flatnonzero(ext)
-        k_u = np.repeat(edges, su[edges])
-        a = np.arange(len(k_u)) - np.repeat(np.concatenate([[0], np.cumsum(su[edges])[:-1]]), su[edges])
-        self.u_target = self.offsets[eu][k_u] + a
-        self.u_base = toff[k_u] + a * sv[k_u]
-        self.u_other = ev[k_u]
-        k_v = np.repeat(edges, sv[edges])
-        b = np.arange(len(k_v)) - np.repeat(np.concatenate([[0], np.cumsum(sv[edges])[:-1]]), sv[edges])
-        self.v_target = self.offsets[ev][k_v] + b
-        self.v_base = toff[k_v] + b
-        self.v_other = eu[k_v]
-        self.v_stride = sv[k_v]
+        toff = np.concatenate([[0], np.cumsum(su * sv)[:-1]]).astype(np.int64)  # each table's start in ``table``
         # memory: the hull of each group's intervals
         s0, s1 = flat.seg_start, flat.seg_end
         has = s1 > s0
@@ -204,8 +193,8 @@ class GroupMoves:
         np.maximum.at(hi, group_of[has], s1[has])
         self.hull_has = hi > lo
         self.hull_lo, self.hull_hi = np.where(self.hull_has, lo, 0), np.where(self.hull_has, hi, 1)
-        self.round_charge = CHARGE_PER_ENTRY * (len(self.costs) + 2 * len(self.ent_slot) + len(self.u_target)
-                                                + len(self.v_target)) + CHARGE_PER_ITEM * 0.01 * (n + len(eu))
+        self.round_charge = CHARGE_PER_ENTRY * (len(self.costs) + 2 * len(self.ent_slot) + len(self.reads.u_target)
+                                                + len(self.reads.v_target)) + CHARGE_PER_ITEM * 0.01 * (n + len(eu))
 
         # pair moves: edges between two single nodes with a choice each, every entry of their tables
         single = (self.group_size[group_of] == 1) & (sizes > 1)
@@ -231,8 +220,8 @@ class GroupMoves:
         self.pair_has = phi > plo
         self.pair_lo, self.pair_hi = np.where(self.pair_has, plo, 0), np.where(self.pair_has, phi, 1)
         # a pair round takes 40 to 60 ns a pair entry (about twenty passes over them, a few edges at a time)
-        self.pair_charge = CHARGE_PER_ENTRY * (len(self.costs) + 4 * len(self.pe_table) + len(self.u_target)
-                                               + len(self.v_target)) + CHARGE_PER_ITEM * 0.01 * (n + len(eu))
+        self.pair_charge = CHARGE_PER_ENTRY * (len(self.costs) + 4 * len(self.pe_table) + len(self.reads.u_target)
+                                               + len(self.reads.v_target)) + CHARGE_PER_ITEM * 0.01 * (n + len(eu))
         #: Deterministic charge of building this; ``most_build_charge`` bounds it before building.
         self.build_charge = _build_charge(n + len(eu), len(self.pe_table))
 
@@ -270,12 +259,8 @@ class GroupMoves:
 
     def external_costs(self, x: np.ndarray) -> np.ndarray:
         """Every strategy's node cost plus its external edges towards the neighbours' strategies in ``x``."""
-        m = len(self.costs)
         out = self.costs.copy() if self.extra is None else self.costs + self.extra
-        if len(self.u_target):
-            out += np.bincount(self.u_target, self.table[self.u_base + x[self.u_other]], minlength=m)
-            out += np.bincount(self.v_target, self.table[self.v_base + x[self.v_other] * self.v_stride], minlength=m)
-        return out
+        return self.reads.add(out, x)
 
     def _range_min(self, free: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
         """``min(free[lo:hi])`` for every pair (``hi > lo``), from a sparse table."""

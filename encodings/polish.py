@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from shardsolve.encodings.flat import edge_reads
 from shardsolve.problem import FORBIDDEN, Problem
 
 __all__ = ["polish_usage", "MAX_ROUNDS", "ROUNDING"]
@@ -63,23 +64,6 @@ def _units(problem: Problem) -> np.ndarray:
             if a != b:
                 parent[max(a, b)] = min(a, b)
     return np.array([find(i) for i in range(len(parent))], dtype=np.int64)
-
-
-def _leaving(out: np.ndarray, eu: np.ndarray, ev: np.ndarray, sizes: np.ndarray, offsets: np.ndarray,
-             tables: list[np.ndarray]):
-    """Index arrays reading the edges ``out`` at the neighbours' strategies: (tables, u side, v side)."""
-    if not len(out):
-        return None
-    su, sv = sizes[eu[out]], sizes[ev[out]]
-    flat = np.concatenate([tables[e].ravel() for e in out])
-    toff = np.concatenate([[0], np.cumsum(su * sv)[:-1]]).astype(np.int64)
-    k_u = np.repeat(np.arange(len(out)), su)
-    a = np.arange(len(k_u)) - np.repeat(np.concatenate([[0], np.cumsum(su)[:-1]]).astype(np.int64), su)
-    k_v = np.repeat(np.arange(len(out)), sv)
-    b = np.arange(len(k_v)) - np.repeat(np.concatenate([[0], np.cumsum(sv)[:-1]]).astype(np.int64), sv)
-    u_side = (offsets[eu[out]][k_u] + a, toff[k_u] + a * sv[k_u], ev[out][k_u])
-    v_side = (offsets[ev[out]][k_v] + b, toff[k_v] + b, eu[out][k_v], sv[k_v])
-    return flat, u_side, v_side
 
 
 def polish_usage(problem: Problem, assignment) -> tuple[tuple[int, ...], int]:
@@ -128,24 +112,20 @@ def polish_usage(problem: Problem, assignment) -> tuple[tuple[int, ...], int]:
     internal = np.zeros(n_uslots)
     if diag_slot:
         internal = np.bincount(np.concatenate(diag_slot), weights=np.concatenate(diag_cost), minlength=n_uslots)
-    # Edges leaving a unit: row a of u's side reads T[a, x_v]; column b of v's side reads T[x_u, b].
+    # Edges leaving a unit: row a of u's side reads T[a, x_v]; column b of v's side reads T[x_u, b] (``edge_reads``).
     out = np.flatnonzero(~inside)
-    leaving = _leaving(out, eu, ev, sizes, offsets, tables)
+    leaving = edge_reads(eu, ev, sizes, offsets, tables, out)
     out_uu, out_uv = unit_id[eu[out]], unit_id[ev[out]]
+    uusage = np.bincount(slot_unit, weights=usages, minlength=n_uslots)
+    slot_owner = np.repeat(np.arange(len(roots)), usize)
 
     before_cost, before_usage = problem.evaluate(tuple(int(s) for s in x)), usages[offsets + x]
     moved_units = 0
     for _ in range(MAX_ROUNDS):
-        ext = costs.copy()
-        if leaving is not None:
-            flat, (u_target, u_base, u_other), (v_target, v_base, v_other, v_stride) = leaving
-            ext += np.bincount(u_target, weights=flat[u_base + x[u_other]], minlength=len(costs))
-            ext += np.bincount(v_target, weights=flat[v_base + x[v_other] * v_stride], minlength=len(costs))
+        ext = leaving.add(costs.copy(), x)
         ucost = np.bincount(slot_unit, weights=ext, minlength=n_uslots) + internal
-        uusage = np.bincount(slot_unit, weights=usages, minlength=n_uslots)
         current_usage = usages[offsets[slot_node] + x[slot_node]]  # each slot's member, as it is now
         rising = np.bincount(slot_unit, weights=(usages > current_usage).astype(np.float64), minlength=n_uslots)
-        slot_owner = np.repeat(np.arange(len(roots)), usize)
         cur_slot = uoff + x[roots]
         eligible = (ucost <= ucost[cur_slot][slot_owner]) & (rising == 0) & (uusage < uusage[cur_slot][slot_owner])
         eligible &= ucost < FORBIDDEN
