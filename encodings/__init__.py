@@ -18,6 +18,8 @@ together, from z3 unsat cores. The modules, in the order a problem meets them:
 ``search``      neighbourhoods, repair of forbidden pairs, component descent,
                 large-neighbourhood search, TRW-S warm starts
 ``bounds``      certified lower bounds: LP with memory, TRW-S, min-sum diffusion
+``lagrange``    the memory constraints priced per byte: TRW-S on the priced
+                costs, prices by subgradient steps (a bound and starts)
 ``kernels``     TRW-S passes and bound checks compiled with numba
 ``smt``         z3: cross-checks of small problems and unsat cores
 ``portfolio``   ``solve``: the phases above in order, one deterministic budget

@@ -55,10 +55,10 @@ import time
 import numpy as np
 
 from shardsolve.encodings import kernels
-from shardsolve.encodings.flat import Flat, evaluate, sweep_charge
+from shardsolve.encodings.flat import Flat, evaluate, interval_sums, sweep_charge
 
 __all__ = ["trivial_bound", "dual_bound", "trws_bound", "trws_charge", "trws_pass_charge", "trws_decode_charge",
-           "trws_decode", "pruned_above", "lp_solve", "lp_bound", "lagrangian_bound"]
+           "trws_decode", "trws_gamma", "finite_parts", "pruned_above", "lp_solve", "lp_bound", "lagrangian_bound"]
 
 #: LP bounds are only attempted up to this many pair variables.
 LP_MAX_PAIRS = 300_000
@@ -73,7 +73,7 @@ def trivial_bound(flat: Flat) -> float:
     return total
 
 
-def _finite_parts(flat: Flat) -> tuple[list[np.ndarray], list[np.ndarray]]:
+def finite_parts(flat: Flat) -> tuple[list[np.ndarray], list[np.ndarray]]:
     """The costs and tables with every forbidden entry at one finite stand-in (lowering costs keeps a bound
     valid): four times the summed largest magnitudes, plus one. An array without forbidden entries comes back
     itself, not a copy; each array's extremes are read once."""
@@ -100,7 +100,7 @@ def dual_bound(flat: Flat, iterations: int = 20, wall_limit: float | None = None
     started = time.perf_counter()
     if flat.n == 0:
         return 0.0
-    costs, tables = _finite_parts(flat)
+    costs, tables = finite_parts(flat)
     theta_n = [c.astype(np.float64) for c in costs]  # copies: updated in place below
     theta_e = [t.astype(np.float64) for t in tables]
 
@@ -165,6 +165,15 @@ def trws_pass_charge(flat: Flat) -> float:
         t.size for t in flat.tables)
 
 
+def trws_gamma(flat: Flat) -> np.ndarray:
+    """TRW-S's node weights ``g_i = 1 / max(#earlier, #later neighbours)`` (at least one of each counted)."""
+    lo = np.minimum(flat.eu, flat.ev).astype(np.int64)
+    hi = np.maximum(flat.eu, flat.ev).astype(np.int64)
+    later = np.bincount(lo, minlength=flat.n)
+    earlier = np.bincount(hi, minlength=flat.n)
+    return 1.0 / np.maximum(1, np.maximum(earlier, later))
+
+
 def trws_bound(
     flat, passes: int = 60, target: float = math.inf, decoded: list | None = None, *,
     wall_limit: float | None = None, final_only: bool = False, decode_every: int = 0, ran: list | None = None,
@@ -207,15 +216,10 @@ def trws_bound(
     """
     started = time.perf_counter()
     n = flat.n
-    costs, tables = _finite_parts(flat)
+    costs, tables = finite_parts(flat)
     eu = [int(u) for u in flat.eu]
     ev = [int(v) for v in flat.ev]
-    earlier = np.zeros(n, dtype=np.int64)
-    later = np.zeros(n, dtype=np.int64)
-    for u, v in zip(eu, ev):
-        later[min(u, v)] += 1
-        earlier[max(u, v)] += 1
-    gamma = 1.0 / np.maximum(1, np.maximum(earlier, later))
+    gamma = trws_gamma(flat)
     packed = kernels.pack(costs, tables, eu, ev, flat.adj, gamma)
     to_u, to_v = packed.messages()  # messages to each edge's first / second node, flat
 
@@ -484,10 +488,7 @@ def lagrangian_bound(flat: Flat, multipliers: np.ndarray, *, passes: int = 200, 
     costs = flat.costs
     constant = 0.0
     if len(flat.binding) and mu.any():
-        at = np.zeros(len(flat.capacity) + 1)
-        at[np.asarray(flat.binding, dtype=np.int64)] = mu
-        cum = np.concatenate([[0.0], np.cumsum(at)])
-        price = cum[flat.seg_end] - cum[flat.seg_start]  # sum of mu over the binding segments a node is live in
+        price = interval_sums(flat, mu, flat.binding)  # sum of mu over the binding segments a node is live in
         costs = tuple(c + w * u for c, w, u in zip(flat.costs, price, flat.usages))
         constant = float(mu @ flat.capacity[np.asarray(flat.binding, dtype=np.int64)])
     priced = dataclasses.replace(flat, costs=costs, capacity=np.zeros(0), binding=())

@@ -41,7 +41,7 @@ import numpy as np
 
 from shardsolve.problem import FORBIDDEN, Problem
 
-__all__ = ["Flat", "EdgeReads", "edge_reads", "flatten", "evaluate", "profile", "tolerance", "subproblem", "prune", "softened", "CHARGE_PER_ITEM",
+__all__ = ["Flat", "EdgeReads", "edge_reads", "flatten", "evaluate", "profile", "interval_sums", "tolerance", "subproblem", "prune", "softened", "CHARGE_PER_ITEM",
            "CHARGE_PER_TABLE_ENTRY", "sweep_charge"]
 
 INF = math.inf
@@ -229,6 +229,18 @@ def profile(flat: Flat, x: np.ndarray) -> np.ndarray:
     np.add.at(delta, flat.seg_start, use)
     np.add.at(delta, flat.seg_end, -use)
     return np.cumsum(delta)[:horizon]
+
+
+def interval_sums(flat: Flat, per_segment: np.ndarray, segments: np.ndarray | None = None) -> np.ndarray:
+    """Per node, the sum of ``per_segment`` over the segments its interval covers (``per_segment`` given for
+    every segment, or for the segments ``segments`` only, the others zero): a price per byte on each node."""
+    at = np.zeros(len(flat.capacity) + 1)
+    if segments is None:
+        at[:len(per_segment)] = per_segment
+    else:
+        at[np.asarray(segments, dtype=np.int64)] = per_segment
+    cum = np.concatenate([[0.0], np.cumsum(at)])
+    return cum[flat.seg_end] - cum[flat.seg_start]
 
 
 def tolerance(flat: Flat) -> float:

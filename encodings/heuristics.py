@@ -32,7 +32,7 @@ import time
 
 import numpy as np
 
-from shardsolve.encodings.flat import CHARGE_PER_ITEM, INF, Flat, edge_reads, evaluate, profile, tolerance
+from shardsolve.encodings.flat import CHARGE_PER_ITEM, INF, Flat, edge_reads, evaluate, interval_sums, profile, tolerance
 
 __all__ = ["icm", "repair", "forest_descent", "warm_start", "least_usage", "OneNodeMoves"]
 
@@ -75,20 +75,26 @@ def icm(flat: Flat, x: np.ndarray, sweeps: int = 10) -> np.ndarray:
     return x
 
 
-def repair(flat: Flat, x: np.ndarray, rounds: int = 10_000) -> np.ndarray:
-    """Lower usage at over-full segments, cheapest cost per byte first, until memory fits."""
+def repair(flat: Flat, x: np.ndarray, rounds: int = 10_000, work: list | None = None) -> np.ndarray:
+    """Lower usage at over-full segments, cheapest cost per byte first, until memory fits.
+
+    With a list ``work``, appends the number of live nodes weighed (the repair's work, to charge it).
+    """
     x = x.copy()
     if not len(flat.capacity):
         return x
     prof = profile(flat, x)
     tol = tolerance(flat)
+    visits = 0
     for _ in range(rounds):
         over = prof - flat.capacity
         t = int(np.argmax(over))
         if over[t] <= tol:
             break
         best = None
-        for i in flat.live(t):
+        live = flat.live(t)
+        visits += len(live)
+        for i in live:
             u = flat.usages[i]
             saving = u[x[i]] - u
             ok = saving > 0
@@ -106,6 +112,8 @@ def repair(flat: Flat, x: np.ndarray, rounds: int = 10_000) -> np.ndarray:
         _, i, s = best
         prof[flat.seg_start[i]:flat.seg_end[i]] += flat.usages[i][s] - flat.usages[i][x[i]]
         x[i] = s
+    if work is not None:
+        work.append(visits)
     return x
 
 
@@ -198,14 +206,6 @@ def least_usage(flat: Flat) -> np.ndarray:
     return x
 
 
-def _segment_penalty(flat: Flat, lam: np.ndarray) -> np.ndarray:
-    """Per node the sum of segment multipliers over its interval."""
-    if not len(lam):
-        return np.zeros(flat.n)
-    cum = np.concatenate([[0.0], np.cumsum(lam)])
-    return cum[flat.seg_end] - cum[flat.seg_start]
-
-
 def warm_start(flat: Flat, seed: int = 0, rounds: int = 12, x0: np.ndarray | None = None,
                wall_limit: float | None = None) -> tuple[np.ndarray, float]:
     """A good feasible assignment (or the least-bad one found) and its cost.
@@ -233,7 +233,7 @@ def warm_start(flat: Flat, seed: int = 0, rounds: int = 12, x0: np.ndarray | Non
     for r in range(rounds):
         if wall_limit is not None and time.perf_counter() - started > wall_limit:
             break
-        x = forest_descent(flat, x, _segment_penalty(flat, lam), rng, rounds=3)
+        x = forest_descent(flat, x, interval_sums(flat, lam), rng, rounds=3)
         if horizon:
             over = profile(flat, x) - flat.capacity
             lam = np.maximum(0.0, lam + step * over / math.sqrt(r + 1))

@@ -69,7 +69,7 @@ def _csr(rows: list[list[tuple[int, int, int]]]) -> tuple[np.ndarray, np.ndarray
 
 
 def pack(costs: list[np.ndarray], tables: list[np.ndarray], eu, ev, adj, gamma: np.ndarray) -> Packed:
-    """``Packed`` of finite ``costs`` and ``tables`` (``bounds._finite_parts``), edges ``eu``/``ev``, the
+    """``Packed`` of finite ``costs`` and ``tables`` (``bounds.finite_parts``), edges ``eu``/``ev``, the
     adjacency ``adj`` (per node: (edge, neighbour, node is the edge's u), as ``Flat.adj``) and ``gamma``."""
     n = len(costs)
     noff = _offsets([len(c) for c in costs])

@@ -96,9 +96,9 @@ def _configs(flat: Flat, members: np.ndarray, internal: list[int]) -> np.ndarray
 
 
 def _build_charge(items: int, pair_entries: int) -> float:
-    """``GroupMoves``' build: a Python pass over nodes and edges, and the pair entries' index arrays (30 to 300 ns
-    an entry measured)."""
-    return 5 * CHARGE_PER_ITEM * items + 15 * CHARGE_PER_ENTRY * pair_entries
+    """``GroupMoves``' build: a Python pass over nodes and edges (8.5 us a node or edge measured on IOPDDL K, P and
+    S, a build with its components' configs), and the pair entries' index arrays (30 to 300 ns an entry)."""
+    return CHARGE_PER_ITEM * items + 15 * CHARGE_PER_ENTRY * pair_entries
 
 
 class GroupMoves:

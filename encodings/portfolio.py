@@ -18,8 +18,11 @@
                        on feasibility alone over pruned domains (which may prove there is none)
     solve_whole        <= 400 decisions and 5,000 strategies (or nothing valid yet): the whole model,
                        hinted, for a share of the budget (may prove optimality)
-    certify            no LP: TRW-S message passing, memory relaxed, for a share of the budget (unless
-                       the probe ran as many passes), and min-sum diffusion; the larger
+    lagrangian         no LP and memory binds: the memory constraints priced (``lagrange.dual_ascent``,
+                       ``LAGRANGE_SHARE`` of the budget): TRW-S on the priced costs, a certified bound;
+                       each step's decoding, repaired and polished by group moves, a start
+    certify            no LP and no prices: TRW-S message passing, memory relaxed, for a share of the budget
+                       (unless the probe ran as many passes), and min-sum diffusion; the larger
     improve            vectorised group moves (``moves``: every node or small component of forbidden-bearing
                        edges at once, two-node moves, a falling price on usage where memory binds); above
                        400 decisions two sweeps of component descent; then large-neighbourhood search in
@@ -53,7 +56,7 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from shardsolve.encodings import bounds, cpsat, heuristics, moves, search
+from shardsolve.encodings import bounds, cpsat, heuristics, lagrange, moves, search
 from shardsolve.encodings.flat import CHARGE_PER_ITEM, Flat, evaluate, flatten, softened, subproblem, sweep_charge
 from shardsolve.encodings.presolve import Reduced, reduce
 from shardsolve.errors import InfeasibleError, Interrupted, ShardsolveError
@@ -114,6 +117,9 @@ WARM_ROUND_PASSES = 5
 #: TRW-S warm starts (where no LP guides): further usage penalties are tried while their work is within this
 #: share of the budget left (``search.trws_starts``).
 TRWS_START_SHARE = 0.5
+#: The memory constraints' Lagrangian dual (``lagrange.dual_ascent``, where memory binds and no LP guides): this
+#: share of the budget left, its starts polished by group moves within it.
+LAGRANGE_SHARE = 0.4
 #: Min-sum diffusion (``bounds.dual_bound``) after the TRW-S bound, where the LP is skipped: this many sweeps.
 DIFFUSION_SWEEPS = 50
 #: TRW-S bound (where the LP is skipped): at most this many passes, and this share of the budget.
@@ -296,6 +302,7 @@ class Portfolio:
         self.probe_passes = 0  # TRW-S passes the probe ran (its bound is in ``bound``)
         self.moves: moves.GroupMoves | None = None  # built on first use
         self.quotient_moves: moves.GroupMoves | None = None  # moves on the problem over groups (memory left out)
+        self.priced = False  # the bound is the Lagrangian one of ``lagrangian`` (memory priced)
 
     # -- bookkeeping -------------------------------------------------------------------------------
 
@@ -368,7 +375,9 @@ class Portfolio:
         if self.best_x is None:
             return self.finish(None, "unknown", self.bound + self.offset)
         if self.guide is None:
-            self.phase("bounds", self.certify)
+            self.phase("lagrangian", self.lagrangian)
+            if not self.priced:
+                self.phase("bounds", self.certify)
         self.phase("search", self.improve)
         return self.finish(self.reduced.lift(self.best_x), "feasible", self.bound + self.offset)
 
@@ -625,6 +634,44 @@ class Portfolio:
             self.bound = max(self.bound, bounds.dual_bound(flat, iterations=DIFFUSION_SWEEPS,
                                                            wall_limit=self.wall_left()))
             self.budget -= diffusion
+
+    def lagrangian(self) -> None:
+        """Where memory binds and no LP guides: the memory constraints priced (``lagrange.dual_ascent``).
+
+        Its bound replaces the memory-relaxed one of ``certify``; each repaired
+        decoding, polished by group moves, is a start.
+        """
+        flat, stats = self.flat, self.stats
+        if not len(flat.binding) or self.best_x is None or self.budget <= 0:
+            return
+        if (self.moves is None and moves.GroupMoves.fits(flat)
+                and moves.GroupMoves.most_build_charge(flat) <= LAGRANGE_SHARE * self.budget):
+            self.moves = moves.GroupMoves(flat, search.forbidden_components(flat))
+            self.budget -= self.moves.build_charge
+        evaluation = 0.05 * CHARGE_PER_ITEM * (flat.n + len(flat.tables))
+        polished = [0.0]
+
+        def consider(y: np.ndarray) -> float:
+            cost = evaluate(flat, y)
+            polished[0] += evaluation
+            if math.isfinite(cost) and self.moves is not None and self.wall_left() > 0:
+                y, _, used = self.moves.descend(y, rounds=MOVE_ROUNDS, wall_limit=self.wall_left())
+                cost = evaluate(flat, y)
+                polished[0] += used + evaluation
+            self.consider(y, cost)
+            return self.best_cost
+
+        started = time.perf_counter()
+        value, used, more = lagrange.dual_ascent(flat, self.best_cost, budget=LAGRANGE_SHARE * self.budget,
+                                                 consider=consider, wall_limit=LAGRANGE_SHARE * self.wall_left())
+        self.budget -= used + polished[0]
+        stats.update(more)
+        stats["lagrangian_polish_work_s"] = round(polished[0], 3)
+        stats["lagrangian_s"] = round(time.perf_counter() - started, 3)
+        if math.isfinite(value):
+            stats["lagrangian_bound"] = value + self.offset
+            self.bound = max(self.bound, value)
+            self.priced = True
 
     def group_moves(self) -> None:
         """Rounds of vectorised group moves (``moves.GroupMoves``: nodes and small components) from the incumbent.
