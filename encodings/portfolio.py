@@ -663,7 +663,10 @@ class Portfolio:
 
         started = time.perf_counter()
         value, used, more = lagrange.dual_ascent(flat, self.best_cost, budget=LAGRANGE_SHARE * self.budget,
-                                                 consider=consider, wall_limit=LAGRANGE_SHARE * self.wall_left())
+                                                 consider=consider, wall_limit=LAGRANGE_SHARE * self.wall_left(),
+                                                 on_step=lambda bound: self.report(
+                                                     "memory priced", self.best_cost + self.offset,
+                                                     max(self.bound, bound) + self.offset))
         self.budget -= used + polished[0]
         stats.update(more)
         stats["lagrangian_polish_work_s"] = round(polished[0], 3)

@@ -50,7 +50,9 @@ def test_priced_bound_closes_the_gap_memory_relaxes():
         return min(seen)
 
     start = problem.evaluate(np.ones(len(problem.nodes), dtype=np.int64))  # every node small: valid, dear
-    value, used, stats = lagrange.dual_ascent(flat, start, budget=5.0, consider=consider)
+    steps: list[float] = []
+    value, used, stats = lagrange.dual_ascent(flat, start, budget=5.0, consider=consider, on_step=steps.append)
+    assert len(steps) == stats["lagrangian_steps"] and steps == sorted(steps) and steps[-1] == value
     assert relaxed < 0.25 * opt
     assert 0.95 * opt <= value <= opt + 1e-9 * opt
     assert min(seen) == pytest.approx(opt, rel=1e-9)
