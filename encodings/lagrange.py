@@ -130,6 +130,9 @@ def dual_ascent(flat: Flat, target: float, *, budget: float, consider: Callable[
                 on_step: Callable[[float], None] | None = None) -> tuple[float, float, dict]:
     """Price steps while ``budget`` (deterministic seconds) lasts; returns (best bound, work, stats).
 
+    ``stats["decoded"]`` is the assignment read off at the best bound (None without a step): the
+    caller's large-neighbourhood search grows neighbourhoods where its incumbent differs from it.
+
     ``target``: a valid cost (the incumbent's, finite) that the steps aim the bound at;
     ``consider(x)`` receives each repaired decoding (within memory; it may
     still break a forbidden pair: the caller evaluates it) and returns the
@@ -149,7 +152,7 @@ def dual_ascent(flat: Flat, target: float, *, budget: float, consider: Callable[
     # a repair round weighs the nodes live at one segment: at most this charge (its rounds fit the budget left)
     repair_round = REPAIR_CHARGE_PER_VISIT * max(1, _most_live(flat))
     best, theta, stale, steps, repairs, repaired = -math.inf, 1.0, 0, 0, 0, 0.0
-    best_mu, best_g = priced.mu, np.zeros(0)
+    best_mu, best_g, best_x = priced.mu, np.zeros(0), None
     while spent + per_step <= budget and (wall_limit is None or time.perf_counter() - started < wall_limit):
         steps += 1
         value = priced.run(passes)
@@ -159,7 +162,7 @@ def dual_ascent(flat: Flat, target: float, *, budget: float, consider: Callable[
         improved = not math.isfinite(best) or value > best + 1e-9 * abs(best)
         if improved:
             best, stale = max(best, value), 0
-            best_mu, best_g = priced.mu.copy(), g
+            best_mu, best_g, best_x = priced.mu.copy(), g, x
         else:
             stale += 1
         rounds = int((budget - spent - icm) / repair_round) if budget - spent > icm else 0
@@ -184,4 +187,5 @@ def dual_ascent(flat: Flat, target: float, *, budget: float, consider: Callable[
             break  # nothing to step along, or the bound meets the best cost
         priced.set_prices(priced.mu + theta * gap / norm * g)
     return best, spent, {"lagrangian_steps": steps, "lagrangian_repairs": repairs,
-                         "lagrangian_repair_work_s": round(repaired, 3), "lagrangian_theta": theta}
+                         "lagrangian_repair_work_s": round(repaired, 3), "lagrangian_theta": theta,
+                         "decoded": best_x}

@@ -20,7 +20,8 @@
                        hinted, for a share of the budget (may prove optimality)
     lagrangian         no LP and memory binds: the memory constraints priced (``lagrange.dual_ascent``,
                        ``LAGRANGE_SHARE`` of the budget): TRW-S on the priced costs, a certified bound;
-                       each step's decoding, repaired and polished by group moves, a start
+                       each step's decoding, repaired and polished by group moves, a start; the decoding
+                       at the best bound guides the LNS where no LP rounding does
     certify            no LP and no prices: TRW-S message passing, memory relaxed, for a share of the budget
                        (unless the probe ran as many passes), and min-sum diffusion; the larger
     improve            vectorised group moves (``moves``: every node or small component of forbidden-bearing
@@ -303,6 +304,7 @@ class Portfolio:
         self.moves: moves.GroupMoves | None = None  # built on first use
         self.quotient_moves: moves.GroupMoves | None = None  # moves on the problem over groups (memory left out)
         self.priced = False  # the bound is the Lagrangian one of ``lagrangian`` (memory priced)
+        self.priced_guide: np.ndarray | None = None  # the assignment read off at the best priced bound
 
     # -- bookkeeping -------------------------------------------------------------------------------
 
@@ -668,6 +670,7 @@ class Portfolio:
                                                      "memory priced", self.best_cost + self.offset,
                                                      max(self.bound, bound) + self.offset))
         self.budget -= used + polished[0]
+        self.priced_guide = more.pop("decoded", None)
         stats.update(more)
         stats["lagrangian_polish_work_s"] = round(polished[0], 3)
         stats["lagrangian_s"] = round(time.perf_counter() - started, 3)
@@ -750,7 +753,7 @@ class Portfolio:
             x, cost, lns_stats = search.lns(
                 flat, self.best_x, budget=max(0.0, self.budget if last else self.budget / (LNS_CHUNKS - chunk)),
                 seed=self.seed + 1000 * chunk, progress=self.shifted, lower_bound=self.bound,
-                wall_limit=self.wall_left(), guide=self.guide,
+                wall_limit=self.wall_left(), guide=self.guide if self.guide is not None else self.priced_guide,
             )
             lns_stats["lns_s"] = round(time.perf_counter() - wall, 3)
             self.add_stats(lns_stats)

@@ -213,7 +213,9 @@ TRW-S on each strategy's cost plus its usage times the prices over its node's in
 a step with the messages kept from step to step, prices moved by Polyak subgradient steps towards the
 best cost so far; TRW-S's value less the prices times the capacities is the certified bound, and the
 assignment read off each step, repaired for memory, cleared of forbidden pairs by ICM on the softened
-problem and polished by group moves, is a start. K, P and S come to it from least usage, ICM on the
+problem and polished by group moves, is a start; the one read off at the best bound guides the LNS (one
+neighbourhood a round grows from the nodes where the incumbent differs from it, as from the LP's rounding
+where an LP runs). K, P and S come to it from least usage, ICM on the
 softened problem and an exact repair of every component of forbidden-bearing edges (the first target);
 V from its warm starts, which include TRW-S decodings of the costs plus a uniform usage penalty,
 repaired. Without the prices (the runs before) the bound of K, P and S was TRW-S with memory relaxed

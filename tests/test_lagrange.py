@@ -108,6 +108,7 @@ def test_portfolio_phase_raises_the_bound_and_the_incumbent():
     start, relaxed = run.best_cost, run.bound
     run.lagrangian()
     assert run.stats["lagrangian_steps"] >= 1
+    assert run.priced_guide is not None and len(run.priced_guide) == run.flat.n  # the LNS's guide
     assert run.bound >= 0.95 * (opt - run.offset) > relaxed
     assert run.bound <= run.best_cost <= start
     assert run.best_cost < start
