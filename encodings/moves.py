@@ -34,7 +34,8 @@ import numpy as np
 import time
 from dataclasses import replace
 
-from shardsolve.encodings.flat import CHARGE_PER_ITEM, INF, Flat, edge_reads, evaluate, profile, tolerance
+from shardsolve.encodings.flat import (CHARGE_PER_ITEM, INF, Flat, edge_reads, evaluate, evaluation_charge, profile,
+                                       tolerance)
 
 __all__ = ["GroupMoves", "priced_descent", "quotient", "GROUP_MAX_NODES", "GROUP_MAX_CONFIGS", "PRICES"]
 
@@ -182,7 +183,6 @@ class GroupMoves:
         self.reads = edge_reads(eu, ev, sizes, self.offsets, flat.tables, np.flatnonzero(ext))
         self.table = self.reads.table
         su, sv = sizes[eu], sizes[ev]
-        toff = np.concatenate([[0], np.cumsum(su * sv)[:-1]]).astype(np.int64)  # each table's start in ``table``
         # memory: the hull of each group's intervals
         s0, s1 = flat.seg_start, flat.seg_end
         has = s1 > s0
@@ -208,7 +208,7 @@ class GroupMoves:
         self.pe_pair = p_of
         self.pe_a = local // np.repeat(psv, count)
         self.pe_b = local % np.repeat(psv, count)
-        self.pe_table = np.repeat(toff[pair], count) + local
+        self.pe_table = np.repeat(self.reads.start[pair], count) + local
         self.pair_u, self.pair_v = eu[pair], ev[pair]
         self.pair_sv = psv
         plo = np.full(len(pair), big, dtype=np.int64)
@@ -536,7 +536,7 @@ def priced_descent(moves: GroupMoves, x: np.ndarray, *, rounds: int = 60, cycles
     flat = moves.flat
     x = np.asarray(x, dtype=np.int64).copy()
     best, best_cost = x, evaluate(flat, x)
-    charge = 0.05 * CHARGE_PER_ITEM * (flat.n + len(flat.tables))  # an evaluation (35 ms on IOPDDL S)
+    charge = evaluation_charge(flat)
     spent, total = charge, 0
     if not len(flat.capacity) or not np.isfinite(best_cost):
         return best, best_cost, 0, spent

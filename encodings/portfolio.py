@@ -58,7 +58,8 @@ from typing import Callable, Iterator
 import numpy as np
 
 from shardsolve.encodings import bounds, cpsat, heuristics, lagrange, moves, search
-from shardsolve.encodings.flat import CHARGE_PER_ITEM, Flat, evaluate, flatten, softened, subproblem, sweep_charge
+from shardsolve.encodings.flat import (CHARGE_PER_ITEM, Flat, evaluate, evaluation_charge, flatten, softened,
+                                       subproblem, sweep_charge)
 from shardsolve.encodings.presolve import Reduced, reduce
 from shardsolve.errors import InfeasibleError, Interrupted, ShardsolveError
 from shardsolve.problem import Problem, Solution
@@ -303,8 +304,8 @@ class Portfolio:
         self.probe_passes = 0  # TRW-S passes the probe ran (its bound is in ``bound``)
         self.moves: moves.GroupMoves | None = None  # built on first use
         self.quotient_moves: moves.GroupMoves | None = None  # moves on the problem over groups (memory left out)
-        self.priced = False  # the bound is the Lagrangian one of ``lagrangian`` (memory priced)
-        self.priced_guide: np.ndarray | None = None  # the assignment read off at the best priced bound
+        # the assignment read off at the best priced bound of ``lagrangian`` (set where that bound is the bound)
+        self.priced_guide: np.ndarray | None = None
 
     # -- bookkeeping -------------------------------------------------------------------------------
 
@@ -378,7 +379,7 @@ class Portfolio:
             return self.finish(None, "unknown", self.bound + self.offset)
         if self.guide is None:
             self.phase("lagrangian", self.lagrangian)
-            if not self.priced:
+            if self.priced_guide is None:  # memory not priced: the memory-relaxed bound
                 self.phase("bounds", self.certify)
         self.phase("search", self.improve)
         return self.finish(self.reduced.lift(self.best_x), "feasible", self.bound + self.offset)
@@ -650,7 +651,7 @@ class Portfolio:
                 and moves.GroupMoves.most_build_charge(flat) <= LAGRANGE_SHARE * self.budget):
             self.moves = moves.GroupMoves(flat, search.forbidden_components(flat))
             self.budget -= self.moves.build_charge
-        evaluation = 0.05 * CHARGE_PER_ITEM * (flat.n + len(flat.tables))
+        evaluation = evaluation_charge(flat)
         polished = [0.0]
 
         def consider(y: np.ndarray) -> float:
@@ -670,14 +671,14 @@ class Portfolio:
                                                      "memory priced", self.best_cost + self.offset,
                                                      max(self.bound, bound) + self.offset))
         self.budget -= used + polished[0]
-        self.priced_guide = more.pop("decoded", None)
+        decoded = more.pop("decoded", None)
         stats.update(more)
         stats["lagrangian_polish_work_s"] = round(polished[0], 3)
         stats["lagrangian_s"] = round(time.perf_counter() - started, 3)
         if math.isfinite(value):
             stats["lagrangian_bound"] = value + self.offset
             self.bound = max(self.bound, value)
-            self.priced = True
+            self.priced_guide = decoded
 
     def group_moves(self) -> None:
         """Rounds of vectorised group moves (``moves.GroupMoves``: nodes and small components) from the incumbent.
