@@ -53,7 +53,7 @@ import contextlib
 import gc
 import math
 import time
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -205,6 +205,7 @@ def solve(
     progress: Progress | None = None,
     incumbent: dict | None = None,
     wall_limit: float | None = None,
+    start: Sequence[int] | None = None,
 ) -> Solution:
     """Pick one strategy per node, minimising cost under pins and the memory limit.
 
@@ -215,6 +216,10 @@ def solve(
     the random seed of every randomised step; ``workers``: CP-SAT threads for
     whole-model solves (default 1; results stay deterministic either way);
     ``progress(message, best_cost, lower_bound)`` is called as the search improves.
+    ``start``: an assignment of ``problem`` to search from (a plan solved
+    without the memory limit, say): made valid where it is not (memory first,
+    then forbidden pairs, as the solver's own starts are) and kept as a
+    start, so a valid ``start`` is never beaten by the answer.
 
     Determinism and wall time trade off. The budget is calibrated so that an
     idle machine spends it in about ``time_limit`` seconds; a run that does
@@ -241,13 +246,16 @@ def solve(
     except ValueError as exc:
         raise ShardsolveError(f"invalid problem {problem.name!r}: {exc}") from None
     budget = DEFAULT_TIME_LIMIT if time_limit is None else max(0.0, float(time_limit))
+    if start is not None and len(start) != len(problem.nodes):
+        raise ShardsolveError(f"start has {len(start)} strategies, but problem {problem.name!r} has "
+                              f"{len(problem.nodes)} nodes; pass one strategy index per node")
     try:
         reduced = reduce(problem)
     except InfeasibleError:
         return infeasible_solution(problem, started, {"reduced": False})
     with frozen_heap():
         return Portfolio(problem, reduced, budget, started, seed=seed, workers=workers, progress=progress,
-                         incumbent=incumbent, wall_limit=wall_limit).run()
+                         incumbent=incumbent, wall_limit=wall_limit, start=start).run()
 
 
 def infeasible_solution(problem: Problem, started: float, stats: dict) -> Solution:
@@ -279,8 +287,9 @@ class Portfolio:
 
     def __init__(self, problem: Problem, reduced: Reduced, budget: float, started: float, *, seed: int = 0,
                  workers: int | None = None, progress: Progress | None = None, incumbent: dict | None = None,
-                 wall_limit: float | None = None):
+                 wall_limit: float | None = None, start: Sequence[int] | None = None):
         self.problem = problem
+        self.start = None if start is None else reduced.project(start)  # -1: a strategy the reductions dropped
         self.incumbent = incumbent  # "solution": the best so far as an interrupted Solution (see interruptible)
         self.reduced = reduced
         self.started = started
@@ -509,8 +518,11 @@ class Portfolio:
         return self.finish(self.reduced.lift(self.best_x), status, self.bound + self.offset)
 
     def warm_starts(self) -> None:
-        """Heuristic starts (up to ``LARGE_NODES``), TRW-S decodings where no LP guides, the LP rounded."""
+        """The caller's start, heuristic starts (up to ``LARGE_NODES``), TRW-S decodings where no LP guides, the
+        LP rounded."""
         flat, stats = self.flat, self.stats
+        if self.start is not None:
+            self.from_start()
         if flat.n <= LARGE_NODES:
             per_round = WARM_ROUND_PASSES * CHARGE_PER_ITEM * (flat.n + len(flat.tables))
             rounds = int(min(WARM_ROUNDS, max(0.0, WARM_SHARE * self.budget) // per_round))
@@ -528,6 +540,26 @@ class Portfolio:
                 stats["trws_start_cost"] = c_t + self.offset if math.isfinite(c_t) else None
         if self.guide is not None:
             self.round_lp()
+
+    def from_start(self) -> None:
+        """``solve``'s ``start`` on the reduced problem, made valid: each strategy the reductions dropped replaced
+        by the node's cheapest, then memory repaired and ICM on the softened problem (forbidden pairs at a
+        finite penalty), then the forbidden pairs left repaired (as ``search.trws_starts`` repairs its
+        decodings)."""
+        flat = self.flat
+        x = self.start.copy()
+        for i in np.flatnonzero(x < 0):
+            x[i] = int(np.argmin(flat.costs[i]))
+        cost = evaluate(flat, x)
+        if not math.isfinite(cost):
+            soft, _ = softened(flat)
+            x = heuristics.icm(soft, heuristics.repair(soft, x), sweeps=3)
+            x, used, _ = search.repair_forbidden(flat, x, budget=1.0, seed=self.seed, wall_limit=self.wall_left())
+            self.budget -= used + 5 * sweep_charge(flat)
+            cost = evaluate(flat, x)
+        self.budget -= evaluation_charge(flat)
+        self.consider(x, cost)
+        self.stats["start_cost"] = cost + self.offset if math.isfinite(cost) else None
 
     def round_lp(self) -> None:
         """The LP's rounding, its fractional nodes and their neighbours solved exactly with the rest held."""

@@ -52,7 +52,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -83,11 +83,12 @@ MAX_PAIR_TABLE = 1 << 21
 #: Above this many nodes ``reduce`` runs one round only (each round is a pass in Python).
 LARGE_PROBLEM = 5000
 #: Deterministic charge (seconds) of ``reduce``: per node and edge per round (measured 6e-5 to 2e-4 s; above
-#: ``LARGE_PROBLEM`` nodes, one light round: 5e-5 s on IOPDDL K), per edge-table entry, and per entry compared
-#: by the dominance tests (``stats["reduce_deterministic_s"]``).
+#: ``LARGE_PROBLEM`` nodes, one light round: 5e-5 s on IOPDDL K), per edge-table entry (GPT-2 large on a
+#: 2x2x2 mesh, 165M entries in 6,552 tables: 3.6 to 4.9 s in all), and per entry compared by the dominance
+#: tests (``stats["reduce_deterministic_s"]``).
 ITEM_CHARGE = 1e-4
 LARGE_ITEM_CHARGE = 5e-5
-ENTRY_CHARGE = 3e-8
+ENTRY_CHARGE = 1.8e-8
 COMPARE_CHARGE = 6e-9
 #: Largest pairwise comparison work (strategies^2 x columns) spent on one node's dominance check. Above it the
 #: test finds almost nothing: on GPT-2 large's tied problem for a three-axis mesh (up to 343 strategies a node)
@@ -169,12 +170,25 @@ def _identity_step(problem: Problem) -> Step:
 
 
 def _inf(costs: np.ndarray) -> np.ndarray:
+    """``costs`` as float64, read-only: the working copy's tables keep forbidden entries as they come (at or
+    above ``FORBIDDEN``; sums of them stay above it) and are replaced, never written into. Converting every
+    table to ``inf`` and back was most of ``reduce``'s time on the largest problems, whose tables nearly all
+    hold a forbidden entry."""
     c = np.asarray(costs, dtype=np.float64)
-    return np.where(c >= FORBIDDEN, INF, c)
+    if not c.flags.writeable:
+        return c
+    view = c.view()
+    view.flags.writeable = False
+    return view
 
 
 def _out(costs: np.ndarray) -> np.ndarray:
-    return np.where(np.isinf(costs), FORBIDDEN, costs)
+    """``costs`` with forbidden entries at ``FORBIDDEN`` exactly (sums of them, and ``inf``, brought back)."""
+    if not costs.size or costs.max() <= FORBIDDEN:
+        return costs
+    if costs.flags.writeable:  # a table a reduction made: the working copy's own
+        return np.minimum(costs, FORBIDDEN, out=costs)
+    return np.minimum(costs, FORBIDDEN)
 
 
 class _Work:
@@ -200,10 +214,17 @@ class _Work:
         if u > v:
             u, v, table = v, u, table.T
         key = (u, v)
-        if key in self.edges:
-            self.edges[key] = self.edges[key] + table
+        if key in self.edges:  # summed into whichever table the working copy made (never into the problem's)
+            current = self.edges[key]
+            if current.flags.writeable:
+                current += table
+            elif table.flags.writeable:
+                table += current
+                self.edges[key] = table
+            else:
+                self.edges[key] = current + table
         else:
-            self.edges[key] = np.array(table, dtype=np.float64)
+            self.edges[key] = np.asarray(table, dtype=np.float64)
             self.adj[u].add(v)
             self.adj[v].add(u)
 
@@ -480,7 +501,9 @@ def drop_dominated(problem: Problem) -> tuple[Problem, Step]:
         if s * s * width > MAX_DOMINANCE_WORK:
             smaps.append(np.arange(s))
             continue
-        dominated, work_done = _dominated(np.hstack(cols))
+        matrix = np.hstack(cols)
+        np.minimum(matrix, FORBIDDEN, out=matrix)  # forbidden entries compare equal, however they were summed
+        dominated, work_done = _dominated(matrix)
         compared += work_done
         keep = np.flatnonzero(~dominated)
         smaps.append(keep)
@@ -511,7 +534,7 @@ def _fold_fixed(work: _Work, matters: np.ndarray) -> None:
         for j in sorted(work.adj[i]):
             t = work.remove_edge(j, i)
             work.costs[j] = work.costs[j] + t[:, 0]
-        if matters[i] or math.isinf(work.costs[i][0]):
+        if matters[i] or work.costs[i][0] >= FORBIDDEN:
             continue  # keeps its memory (now edge-free), or its infeasibility
         work.offset += float(work.costs[i][0])
         work.eliminated.append(Fixed(i, 0))
@@ -549,7 +572,7 @@ def _fold_followers(work: _Work, matters: np.ndarray) -> None:
             continue
         for u in sorted(work.adj[v]):
             t = work.table(u, v)
-            finite = ~np.isinf(t)
+            finite = t < FORBIDDEN
             if not np.all(finite.sum(axis=1) == 1):
                 continue
             f = np.argmax(finite, axis=1)
@@ -593,7 +616,7 @@ def _eliminate_low_degree(work: _Work, matters: np.ndarray) -> None:
         cv = work.costs[v]
         if len(nbrs) == 0:
             b = int(np.argmin(cv))
-            if math.isinf(cv[b]):
+            if cv[b] >= FORBIDDEN:
                 continue
             work.offset += float(cv[b])
             work.eliminated.append(Fixed(v, b))
@@ -716,6 +739,28 @@ class Reduced:
         for step in reversed(self.steps):
             x = step.lift(x)
         return tuple(int(s) for s in x)
+
+    def origins(self) -> tuple[np.ndarray, tuple[np.ndarray, ...]]:
+        """For each node of the reduced problem: its original node, and its strategies' original indices."""
+        node = np.arange(len(self.problem.nodes), dtype=np.int64)
+        smaps = [np.arange(n.num_strategies, dtype=np.int64) for n in self.problem.nodes]
+        for step in reversed(self.steps):
+            smaps = [step.strategy_maps[j][s] for j, s in zip(node, smaps)]
+            node = step.node_map[node]
+        return node, tuple(smaps)
+
+    def project(self, assignment: Sequence[int]) -> np.ndarray:
+        """The reduced problem's assignment closest to ``assignment`` (one of the original problem): each
+        surviving node takes the strategy it had, -1 where the reductions dropped that strategy (a
+        dominated or restricted one). Nodes with one strategy left take it."""
+        x = np.asarray(assignment, dtype=np.int64)
+        node, smaps = self.origins()
+        out = np.full(len(smaps), -1, dtype=np.int64)
+        for j, (i, smap) in enumerate(zip(node.tolist(), smaps)):
+            hit = np.flatnonzero(smap == x[i]) if len(smap) > 1 else np.zeros(1, dtype=np.int64)
+            if len(hit):
+                out[j] = hit[0]
+        return out
 
 
 def reduce(problem: Problem, max_rounds: int = 20, min_gain: float = 0.01) -> Reduced:

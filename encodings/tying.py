@@ -219,12 +219,7 @@ def layer_classes(
 
 def origins(reduced: Reduced) -> tuple[np.ndarray, tuple[np.ndarray, ...]]:
     """For each node of the reduced problem: its original node, and its strategies' original indices."""
-    node = np.arange(len(reduced.problem.nodes), dtype=np.int64)
-    smaps = [np.arange(n.num_strategies, dtype=np.int64) for n in reduced.problem.nodes]
-    for step in reversed(reduced.steps):
-        smaps = [step.strategy_maps[j][s] for j, s in zip(node, smaps)]
-        node = step.node_map[node]
-    return node, tuple(smaps)
+    return reduced.origins()
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -400,13 +395,14 @@ def untied_bound(
 
 
 def solve_tied_problem(problem: Problem, time_limit, seed: int, progress,
-                       wall_limit: float | None = None) -> Solution | None:
+                       wall_limit: float | None = None, start: Sequence[int] | None = None) -> Solution | None:
     """The tied (merged) problem, solved by ``encodings.solve``; None when it finds no valid assignment.
 
     Planner problems have a tight LP: the solver's TRW-S probe usually proves
     the tied optimum before any LP (``Portfolio.trws_probe``).
     """
-    inner = encodings.solve(problem, time_limit=time_limit, seed=seed, progress=progress, wall_limit=wall_limit)
+    inner = encodings.solve(problem, time_limit=time_limit, seed=seed, progress=progress, wall_limit=wall_limit,
+                            start=start)
     if inner.status not in ("optimal", "feasible") or not inner.assignment:
         return None
     return inner
@@ -436,6 +432,7 @@ def solve_tied(
     rounds: int = DEFAULT_ROUNDS,
     wall_limit: float | None = None,
     certify: bool = True,
+    start: Sequence[int] | None = None,
 ) -> Solution | None:
     """Solve ``problem`` with its repeated layers tied; ``None`` when there is nothing to tie.
 
@@ -454,6 +451,9 @@ def solve_tied(
     that only an untied plan meets): the caller then solves untied.
     ``wall_limit``: the wall-clock net of both solves, in seconds from the call
     (default: each solve's own); the tied solve's net is ``TIED_SHARE`` of it.
+
+    ``start``: an assignment of ``problem`` the tied search starts from (``encodings.solve``'s ``start``; a
+    tied member that differs from its representative is repaired like any other forbidden pair).
 
     ``certify=False`` stops after the tied solve: the solution is
     ``"feasible"`` with the trivial bound (``tie_bound`` ``"deferred"``), and
@@ -498,8 +498,14 @@ def solve_tied(
         inner_problem = merged
     else:  # memory differs between layers: keep the tie edges, the solver folds what memory allows
         lift, inner_problem = reduced.lift, tied.problem
+    inner_start = None
+    if start is not None:  # on the reduced problem; merged: the representatives' strategies (members follow them)
+        inner_start = reduced.project(start)
+        if problem.usage_limit is None:
+            members = {j for _, j, _ in tied.pairs}
+            inner_start = inner_start[[i for i in range(len(inner_start)) if i not in members]]
     try:
-        inner = solve_tied_problem(inner_problem, share(TIED_SHARE), seed, progress, wall(TIED_SHARE))
+        inner = solve_tied_problem(inner_problem, share(TIED_SHARE), seed, progress, wall(TIED_SHARE), inner_start)
     except KeyboardInterrupt as interrupt:  # the tied search's best (``Interrupted``), as one of the untied problem
         best = getattr(interrupt, "solution", None)
         raise _interrupted(problem, lift(best.assignment) if best is not None and best.assignment else None,

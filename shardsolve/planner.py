@@ -271,14 +271,15 @@ def search_plan(built: Built, time_limit: float | None, graph: Graph, mesh_spec:
                                      progress, price)
     if unlimited is not None and unlimited[1] <= limit:
         say("the plan without the memory limit fits it as compiled: done")
-        plan, compiled = unlimited
+        plan, compiled, _ = unlimited
         stats = dict(plan.stats) | {"memory_rounds": 1, "compiled_peak_memory": compiled}
         return dataclasses.replace(plan, stats=tuple(sorted(stats.items())))
     say(f"solving{' under the memory limit' if check_compiled else ''} ({len(built.problem.nodes)} nodes, "
         f"{built.problem.num_strategies} strategies)")
     try:
         first = _share(time_limit, FIRST_SOLVE_SHARE) if check_compiled else time_limit
-        solution = _solve(built, first, seed, tie, say if progress else None, price)
+        solution = _solve(built, first, seed, tie, say if progress else None, price,
+                          None if unlimited is None else unlimited[2])
     except KeyboardInterrupt as interrupt:  # Ctrl-C: hand back the best complete plan so far, where there is one
         interrupt = _as_interrupted(interrupt)
         best = interrupt.solution
@@ -442,8 +443,9 @@ def compiled_peak(plan: Plan, args: tuple) -> int:
 
 def _unlimited_probe(graph: Graph, built: Built, mesh: MeshSpec, fun: Callable, args: tuple, source: str,
                      time_limit: float | None, seed: int, tie: bool, say: Callable[[str], None], progress,
-                     price: Callable[[Any], float] | None) -> tuple[Plan, int] | None:
-    """The plan solved without the memory limit and its compiled peak (None where none was found).
+                     price: Callable[[Any], float] | None) -> tuple[Plan, int, tuple[int, ...]] | None:
+    """The plan solved without the memory limit, its compiled peak and its assignment (None where none was
+    found).
 
     It is the fastest plan in the model; where its compiled program fits the
     limit, nothing slower need be searched for, and where it does not, its
@@ -462,13 +464,13 @@ def _unlimited_probe(graph: Graph, built: Built, mesh: MeshSpec, fun: Callable, 
         return None
     plan = to_plan(graph, _limited(built, None), free, mesh, fun, source)
     say("compiling it to read its memory")
-    return plan, compiled_peak(plan, args)
+    return plan, compiled_peak(plan, args), tuple(free.assignment)
 
 
 def _within_compiled_memory(graph: Graph, built: Built, solution, mesh: MeshSpec, fun: Callable, args: tuple,
                             source: str, limit: float, time_limit: float | None, seed: int, tie: bool,
                             say: Callable[[str], None], progress, price: Callable[[Any], float] | None = None,
-                            unlimited: tuple[Plan, int] | None = None) -> Plan:
+                            unlimited: tuple[Plan, int, tuple[int, ...]] | None = None) -> Plan:
     """The fastest plan found whose compiled program's peak memory is within ``limit`` (``plan``'s ``memory_check``).
 
     The model's peak and the compiled one differ by what the model does not
@@ -476,14 +478,20 @@ def _within_compiled_memory(graph: Graph, built: Built, solution, mesh: MeshSpec
     limit the solver sees is searched: first ``limit`` itself, then the
     compiled overshoot taken off, then halving the interval between the
     largest limit known to fit (or to be infeasible in the model) and the
-    smallest known to be too loose, for at most ``MEMORY_ROUNDS`` solves (``time_limit``
+    smallest known to be too loose (at first the planned peak of the plan
+    without the limit, which compiles over it), for at most ``MEMORY_ROUNDS`` solves (``time_limit``
     is the whole call's: each solve here gets its later share). Where the
     solver finds no plan under ``limit`` at all, the model's overestimate on
-    the plan without the limit (``unlimited``: that plan and its compiled peak,
-    from ``_unlimited_probe``; planned minus compiled peak) is tried first.
+    the plan without the limit (``unlimited``: that plan, its compiled peak and
+    its assignment, from ``_unlimited_probe``; planned minus compiled peak) is
+    tried first. Each solve starts from the fastest plan known to fit, or, before
+    one is known, from the plan without the limit (``encodings.solve``'s
+    ``start``: repaired where it breaks the limit the solver sees).
     """
-    best: tuple[Plan, int] | None = None
+    best: tuple[Plan, int, tuple[int, ...]] | None = None
     lo, hi, internal, rounds, compiled = 0.0, math.inf, limit, 0, None
+    if unlimited is not None and unlimited[1] > limit:  # the plan without the limit is too loose as compiled
+        hi = unlimited[0].cost.peak_memory
     time_limit = _share(time_limit, LATER_SHARE)  # each re-solve's
     if not math.isfinite(solution.cost) and solution.status == "infeasible":
         excess = 0.0 if unlimited is None else unlimited[0].cost.peak_memory - unlimited[1]
@@ -492,7 +500,8 @@ def _within_compiled_memory(graph: Graph, built: Built, solution, mesh: MeshSpec
         lo, internal = limit, limit + excess
         say(f"the model counts {format_bytes(excess)} more than the compiled program: solving under "
             f"{format_bytes(internal)}")
-        solution = _solve(_limited(built, internal), time_limit, seed, tie, say if progress else None, price)
+        solution = _solve(_limited(built, internal), time_limit, seed, tie, say if progress else None, price,
+                          None if unlimited is None else unlimited[2])
     try:  # Ctrl-C from here on (a re-solve, a compile) hands back the fastest plan known to fit, or none
         while True:
             rounds += 1
@@ -504,7 +513,7 @@ def _within_compiled_memory(graph: Graph, built: Built, solution, mesh: MeshSpec
                 compiled = compiled_peak(plan, args)
                 if compiled <= limit:
                     if best is None or plan.cost.total < best[0].cost.total:
-                        best = (plan, compiled)
+                        best = (plan, compiled, tuple(solution.assignment))
                     lo = max(lo, internal)
                 else:
                     hi = min(hi, internal, plan.cost.peak_memory)
@@ -521,7 +530,9 @@ def _within_compiled_memory(graph: Graph, built: Built, solution, mesh: MeshSpec
             why = (f"compiled peak memory {format_bytes(compiled)} is over the limit" if solved and compiled > limit
                    else "no plan under the last limit" if not solved else "looking for a faster plan that fits")
             say(f"{why}: solving again under {format_bytes(internal)} as the model counts it")
-            solution = _solve(_limited(built, internal), time_limit, seed, tie, say if progress else None, price)
+            start = best[2] if best is not None else None if unlimited is None else unlimited[2]
+            solution = _solve(_limited(built, internal), time_limit, seed, tie, say if progress else None, price,
+                              start)
     except KeyboardInterrupt:
         raise Interrupted(None, None if best is None else dataclasses.replace(best[0], status="interrupted")) from None
     if best is None:
@@ -534,7 +545,7 @@ def _within_compiled_memory(graph: Graph, built: Built, solution, mesh: MeshSpec
             (MEMORY_LIMIT_LABEL,),
         )
     say("done")
-    plan, compiled = best
+    plan, compiled, _ = best
     stats = dict(plan.stats) | {"memory_rounds": rounds, "compiled_peak_memory": compiled}
     return dataclasses.replace(plan, stats=tuple(sorted(stats.items())))
 
@@ -570,7 +581,7 @@ def _traced_problem(fun: Callable, args: tuple, mesh: MeshSpec, in_shardings: An
 
 
 def _solve(built: Built, time_limit: float | None, seed: int, tie: bool, say: Callable[[str], None] | None,
-           price: Callable[[Any], float] | None = None):
+           price: Callable[[Any], float] | None = None, start: Sequence[int] | None = None):
     """The solver's ``Solution``, tied where the program repeats itself (``tie``).
 
     Where the problem prices merged collectives optimistically
@@ -583,17 +594,17 @@ def _solve(built: Built, time_limit: float | None, seed: int, tie: bool, say: Ca
     least price is kept. The solves get the ``MERGE_SHARES`` of ``time_limit``,
     each whether or not the next runs (so the plan does not depend on the
     clock). Under a memory limit only the plain problem is solved, with the
-    whole limit. Where repeated layers are tied, only the plan kept gets its
-    certified bound of the untied problem (``tying.certify``), with the
-    time the solves left: the bounds' shares of those run and the shares of
-    those not run.
+    whole limit, from ``start`` where given (``encodings.solve``'s). Where
+    repeated layers are tied, only the plan kept gets its certified bound of
+    the untied problem (``tying.certify``), with the time the solves left:
+    the bounds' shares of those run and the shares of those not run.
     """
     if built.plain_edges is not None and built.problem.usage_limit is not None:
         # Under a memory limit the search needs its whole time (and the compiled-memory search its
         # rounds): the plain problem alone, whose merged latencies are the exact ones.
-        return search_once(built.plain(), time_limit, seed, tie, say)
+        return search_once(built.plain(), time_limit, seed, tie, say, start=start)
     if price is None or built.plain_edges is None:
-        return search_once(built, time_limit, seed, tie, say)
+        return search_once(built, time_limit, seed, tie, say, start=start)
     shares = iter(MERGE_SHARES)
     unused = 1.0 - next(shares)
     solution = search_once(built, _share(time_limit, 1.0 - unused), seed, tie, say, certify=False)
@@ -652,8 +663,9 @@ def _found(solution) -> bool:
 
 
 def search_once(built: Built, time_limit: float | None, seed: int, tie: bool, say: Callable[[str], None] | None,
-                certify: bool = True):
-    """The solver's ``Solution``: tied where the program repeats itself (``tie``), else searched untied.
+                certify: bool = True, start: Sequence[int] | None = None):
+    """The solver's ``Solution``: tied where the program repeats itself (``tie``), else searched untied; from
+    ``start`` (an assignment of ``built``'s problem) where given.
 
     ``certify=False``: a tied plan comes without its bound of the untied problem (``tying.solve_tied``), for
     ``certify_once`` to add.
@@ -666,14 +678,15 @@ def search_once(built: Built, time_limit: float | None, seed: int, tie: bool, sa
         with portfolio.frozen_heap():  # the collector leaves the traced program and the problem alone
             if tie:
                 solution = solve_tied(built.problem, time_limit=time_limit, seed=seed, progress=solver_progress,
-                                      wall_limit=wall, certify=certify)
+                                      wall_limit=wall, certify=certify, start=start)
                 if solution is not None and say and certify:
                     _say_tying(say, solution)
             if solution is None:  # untied, in the time tying left (all of it where tying returned at once)
                 spent = time.perf_counter() - started
                 left = time_limit if time_limit is None or spent < 0.25 * time_limit else max(0.5, time_limit - spent)
                 solution = encodings.solve(built.problem, time_limit=left, seed=seed, progress=solver_progress,
-                                           wall_limit=None if wall is None else max(0.0, wall - spent))
+                                           wall_limit=None if wall is None else max(0.0, wall - spent),
+                                           start=start)
         solution = _polished(built, solution)  # inside the net: its time is the solve's
     finally:
         if net is not None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 
@@ -676,3 +677,50 @@ def test_a_solve_keeps_the_collector_off_the_heap_it_starts_with(monkeypatch):
         solve(problem, time_limit=0.5)
         assert gc.get_freeze_count() == frozen  # the inner block left the outer one's freeze alone
     assert gc.get_freeze_count() == 0
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(small_problems())
+def test_projecting_a_lifted_assignment_gives_it_back(problem):
+    """``Reduced.project`` inverts ``lift`` on the reduced problem: a start keeps every strategy it can."""
+    try:
+        reduced = reduce(problem)
+    except Exception:  # noqa: BLE001 - infeasible by the hard constraints alone
+        assume(False)
+    rng = np.random.default_rng(0)
+    y = np.array([rng.integers(0, n.num_strategies) for n in reduced.problem.nodes], dtype=np.int64)
+    assert np.array_equal(reduced.project(reduced.lift(y)), y)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_valid_start_is_never_beaten(seed):
+    """A start (here the answer of a longer search) bounds the answer of a search far too short to find it."""
+    problem = _grid_problem(160, seed)
+    good = solve(problem, time_limit=2.0, seed=seed)
+    assert math.isfinite(good.cost)
+    short = solve(problem, time_limit=0.01, seed=seed + 1, start=good.assignment)
+    assert short.cost <= good.cost
+    assert short.stats["start_cost"] == pytest.approx(good.cost)
+    assert math.isfinite(problem.evaluate(short.assignment))
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_start_over_the_memory_limit_is_repaired(seed):
+    """The optimum without the memory limit, as a start under a limit it breaks: made valid, then searched from."""
+    problem = _grid_problem(160, seed)
+    free = solve(dataclasses.replace(problem, usage_limit=None), time_limit=1.0, seed=seed)
+    tight = dataclasses.replace(problem, usage_limit=problem.peak_usage(free.assignment) - 8)
+    assert not math.isfinite(tight.evaluate(free.assignment))  # the start breaks the limit
+    sol = solve(tight, time_limit=0.02, seed=seed, start=free.assignment)
+    assert sol.stats["start_cost"] is not None  # the repaired start is valid
+    assert sol.cost <= sol.stats["start_cost"]
+    assert math.isfinite(tight.evaluate(sol.assignment))
+    assert sol.cost == tight.evaluate(sol.assignment)
+
+
+def test_a_start_of_the_wrong_length_is_refused():
+    from shardsolve.errors import ShardsolveError
+
+    problem = _grid_problem(80, seed=0)
+    with pytest.raises(ShardsolveError, match="start has 3 strategies, but problem 'grid' has 80 nodes"):
+        solve(problem, time_limit=0.1, start=(0, 0, 0))

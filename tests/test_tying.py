@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -9,7 +11,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import shardsolve
-from shardsolve.encodings import solve
+from shardsolve.encodings import portfolio, solve
 from shardsolve.encodings.flat import flatten
 from shardsolve.encodings.presolve import reduce
 from shardsolve.encodings.tying import layer_classes, merge, origins, solve_tied, tie, trws_bound
@@ -240,3 +242,19 @@ def test_cli_no_tie(capsys, tmp_path):
         assert main(["plan", str(model), "--mesh", MESH, "--time-limit", "20", *flags, "-o", str(out)]) == 0
         assert ("tying" in capsys.readouterr().out) == tied
         assert ("tying" in json.loads(out.read_text())["stats"]) == tied
+
+
+@pytest.mark.parametrize("limited", [False, True])
+def test_a_tied_search_from_a_tied_plan_never_ends_above_it(limited, monkeypatch):
+    """``start`` reaches the tied problem: merged (no memory limit) or with tie edges (a limit the start meets)."""
+    _, built = _stack_built()
+    problem = built.problem
+    first = solve_tied(problem, time_limit=5, certify=False)  # a tied plan: members take their representative's
+    if limited:
+        problem = dataclasses.replace(problem, usage_limit=problem.peak_usage(first.assignment))
+    for name in ("TINY_NODES", "LP_MAX_NODES"):  # the search path, where starts count (not the exact solves)
+        monkeypatch.setattr(portfolio, name, 0)
+    again = solve_tied(problem, time_limit=0.01, start=first.assignment)
+    assert again.stats["tied_start_cost"] == pytest.approx(first.cost, rel=1e-9)
+    assert again.cost <= first.cost * (1 + 1e-12)
+    assert again.cost == pytest.approx(problem.evaluate(again.assignment), rel=1e-12)
