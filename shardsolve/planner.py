@@ -478,8 +478,9 @@ def _within_compiled_memory(graph: Graph, built: Built, solution, mesh: MeshSpec
     limit the solver sees is searched: first ``limit`` itself, then the
     compiled overshoot taken off, then halving the interval between the
     largest limit known to fit (or to be infeasible in the model) and the
-    smallest known to be too loose (at first the planned peak of the plan
-    without the limit, which compiles over it), for at most ``MEMORY_ROUNDS`` solves (``time_limit``
+    smallest known to be too loose (where the solver found a plan under
+    ``limit``, at first the planned peak of the plan without the limit, which
+    compiles over it), for at most ``MEMORY_ROUNDS`` solves (``time_limit``
     is the whole call's: each solve here gets its later share). Where the
     solver finds no plan under ``limit`` at all, the model's overestimate on
     the plan without the limit (``unlimited``: that plan, its compiled peak and
@@ -490,8 +491,8 @@ def _within_compiled_memory(graph: Graph, built: Built, solution, mesh: MeshSpec
     """
     best: tuple[Plan, int, tuple[int, ...]] | None = None
     lo, hi, internal, rounds, compiled = 0.0, math.inf, limit, 0, None
-    if unlimited is not None and unlimited[1] > limit:  # the plan without the limit is too loose as compiled
-        hi = unlimited[0].cost.peak_memory
+    if unlimited is not None and unlimited[1] > limit and _found(solution):
+        hi = unlimited[0].cost.peak_memory  # the plan without the limit: too loose as compiled
     time_limit = _share(time_limit, LATER_SHARE)  # each re-solve's
     if not math.isfinite(solution.cost) and solution.status == "infeasible":
         excess = 0.0 if unlimited is None else unlimited[0].cost.peak_memory - unlimited[1]
