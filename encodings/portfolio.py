@@ -518,11 +518,9 @@ class Portfolio:
         return self.finish(self.reduced.lift(self.best_x), status, self.bound + self.offset)
 
     def warm_starts(self) -> None:
-        """The caller's start, heuristic starts (up to ``LARGE_NODES``), TRW-S decodings where no LP guides, the
-        LP rounded."""
+        """Heuristic starts (up to ``LARGE_NODES``), TRW-S decodings where no LP guides, the LP rounded, then the
+        caller's start (after the others, which run as they would without it)."""
         flat, stats = self.flat, self.stats
-        if self.start is not None:
-            self.from_start()
         if flat.n <= LARGE_NODES:
             per_round = WARM_ROUND_PASSES * CHARGE_PER_ITEM * (flat.n + len(flat.tables))
             rounds = int(min(WARM_ROUNDS, max(0.0, WARM_SHARE * self.budget) // per_round))
@@ -540,6 +538,8 @@ class Portfolio:
                 stats["trws_start_cost"] = c_t + self.offset if math.isfinite(c_t) else None
         if self.guide is not None:
             self.round_lp()
+        if self.start is not None:
+            self.from_start()
 
     def from_start(self) -> None:
         """``solve``'s ``start`` on the reduced problem, made valid: each strategy the reductions dropped replaced
