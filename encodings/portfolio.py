@@ -544,17 +544,15 @@ class Portfolio:
     def from_start(self) -> None:
         """``solve``'s ``start`` on the reduced problem, made valid: each strategy the reductions dropped replaced
         by the node's cheapest, then memory repaired and ICM on the softened problem (forbidden pairs at a
-        finite penalty), then the forbidden pairs left repaired (as ``search.trws_starts`` repairs its
-        decodings)."""
+        finite penalty), then the forbidden pairs left repaired (``search.made_valid``, as the TRW-S starts
+        are)."""
         flat = self.flat
         x = self.start.copy()
         for i in np.flatnonzero(x < 0):
             x[i] = int(np.argmin(flat.costs[i]))
         cost = evaluate(flat, x)
         if not math.isfinite(cost):
-            soft, _ = softened(flat)
-            x = heuristics.icm(soft, heuristics.repair(soft, x), sweeps=3)
-            x, used, _ = search.repair_forbidden(flat, x, budget=1.0, seed=self.seed, wall_limit=self.wall_left())
+            x, used = search.made_valid(flat, softened(flat)[0], x, self.seed, self.wall_left())
             self.budget -= used + 5 * sweep_charge(flat)
             cost = evaluate(flat, x)
         self.budget -= evaluation_charge(flat)

@@ -169,7 +169,7 @@ def _identity_step(problem: Problem) -> Step:
 # -- a mutable working copy (local to each reduction) ----------------------------
 
 
-def _inf(costs: np.ndarray) -> np.ndarray:
+def _read_only(costs: np.ndarray) -> np.ndarray:
     """``costs`` as float64, read-only: the working copy's tables keep forbidden entries as they come (at or
     above ``FORBIDDEN``; sums of them stay above it) and are replaced, never written into. Converting every
     table to ``inf`` and back was most of ``reduce``'s time on the largest problems, whose tables nearly all
@@ -182,7 +182,7 @@ def _inf(costs: np.ndarray) -> np.ndarray:
     return view
 
 
-def _out(costs: np.ndarray) -> np.ndarray:
+def _clamped(costs: np.ndarray) -> np.ndarray:
     """``costs`` with forbidden entries at ``FORBIDDEN`` exactly (sums of them, and ``inf``, brought back)."""
     if not costs.size or costs.max() <= FORBIDDEN:
         return costs
@@ -196,7 +196,7 @@ class _Work:
 
     def __init__(self, problem: Problem):
         self.problem = problem
-        self.costs = [_inf(n.costs) for n in problem.nodes]
+        self.costs = [_read_only(n.costs) for n in problem.nodes]
         self.usages = [np.asarray(n.usages, dtype=np.float64) for n in problem.nodes]
         self.alive = np.ones(len(problem.nodes), dtype=bool)
         self.ghost = np.zeros(len(problem.nodes), dtype=bool)
@@ -205,7 +205,7 @@ class _Work:
         self.offset = 0.0
         self.eliminated: list[Elimination] = []
         for e in problem.edges:
-            self.add_edge(e.u, e.v, _inf(e.costs))
+            self.add_edge(e.u, e.v, _read_only(e.costs))
 
     def add_edge(self, u: int, v: int, table: np.ndarray) -> None:
         if u == v:
@@ -270,10 +270,10 @@ class _Work:
             else:
                 smap = np.arange(len(self.costs[i]))
             labels = tuple(old.labels[k] for k in smap) if old.labels else ()
-            nodes.append(Node(old.name, _out(self.costs[i]), self.usages[i], old.interval, labels))
+            nodes.append(Node(old.name, _clamped(self.costs[i]), self.usages[i], old.interval, labels))
             smaps.append(smap)
         edges = tuple(
-            Edge(int(index[u]), int(index[v]), _out(t)) for (u, v), t in sorted(self.edges.items())
+            Edge(int(index[u]), int(index[v]), _clamped(t)) for (u, v), t in sorted(self.edges.items())
         )
         reduced = Problem(tuple(nodes), edges, p.usage_limit, (), p.name)
         return reduced, Step(len(p.nodes), keep, tuple(smaps), tuple(self.eliminated), self.offset)

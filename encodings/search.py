@@ -41,7 +41,7 @@ from shardsolve.encodings.flat import CHARGE_PER_ITEM, Flat, evaluate, profile, 
 from shardsolve.encodings.heuristics import icm, least_usage, repair
 from shardsolve.encodings.presolve import component_labels
 
-__all__ = ["lns", "repair_forbidden", "component_descent", "trws_starts", "forbidden_components", "violated_edges",
+__all__ = ["lns", "repair_forbidden", "made_valid", "component_descent", "trws_starts", "forbidden_components", "violated_edges",
            "neighbourhood", "excess_costs"]
 
 #: Largest neighbourhood ``repair_forbidden`` frees at once (a ball inside a bigger component).
@@ -435,6 +435,16 @@ def _descent_sweep(flat: Flat, x: np.ndarray, cost: float, comp: np.ndarray, dec
 # -- warm starts from message passing ----------------------------------------------------------
 
 
+def made_valid(flat: Flat, soft: Flat, x: np.ndarray, seed: int,
+               wall_limit: float | None = None) -> tuple[np.ndarray, float]:
+    """``x`` made valid as the solver makes its starts: memory first (``heuristics.repair`` on ``soft``, the
+    softened ``flat``), then ICM on ``soft``, then ``repair_forbidden`` for the forbidden pairs left; returns the
+    assignment and the work ``repair_forbidden`` charged (the sweeps are the caller's to charge)."""
+    x = icm(soft, repair(soft, x), sweeps=3)
+    x, used, _ = repair_forbidden(flat, x, budget=1.0, seed=seed, wall_limit=wall_limit)
+    return x, used
+
+
 def trws_starts(flat: Flat, reference: float, seed: int, wall_limit: float | None = None,
                 budget: float | None = None) -> tuple[np.ndarray | None, float, float]:
     """Warm starts from TRW-S decodings of the costs plus a usage penalty, repaired; the best, its cost, the work.
@@ -470,8 +480,7 @@ def trws_starts(flat: Flat, reference: float, seed: int, wall_limit: float | Non
         decoded: list = []
         bounds.trws_bound(penalised, passes=TRWS_START_PASSES, decoded=decoded, wall_limit=_left(started, wall_limit),
                           terms=False)
-        x = icm(soft, repair(soft, decoded[0]), sweeps=3)
-        x, used, _ = repair_forbidden(flat, x, budget=1.0, seed=seed + k, wall_limit=_left(started, wall_limit))
+        x, used = made_valid(flat, soft, decoded[0], seed + k, _left(started, wall_limit))
         spent += used + decoding
         cost = evaluate(flat, x)
         if cost < best_cost:
