@@ -13,9 +13,16 @@ An edge joins a value's producer to each consumer, costing the reshard time
 from the producer's result sharding to the sharding the consumer's strategy
 needs (``cost.reshard_time``; impossible reshards are forbidden). A node's
 memory is the per-device bytes of the values it produces, live from its own
-time step to the last reader's (arguments, constants and outputs stay live
-throughout). So the solver's objective is compute + communication, and the
-memory limit bounds the peak of live bytes per device.
+time step to the last reader's, as XLA's compiled program holds them:
+arguments, constants and outputs (allocated by their output nodes) for the
+whole program; a read by an op fused into a later one counted there
+(``read_until``); a buffer taken over by an in-place update or an elementwise
+op not live in that op's step (``updated_in_place``); an op that reads only
+arguments run just before its first reader (``first_reader``); an op's
+operand layouts and its scratch (``shardsolve.workspace``) during its own
+step. So the solver's objective is compute + communication, and the memory
+limit bounds the peak of live bytes per device (``shardsolve.memory`` counts
+a solved plan's buffers more closely, knowing which reads reshard).
 
 A ``scan`` is expanded (``BuildOptions.expand_scans``): its body's ops become
 nodes once, their costs and internal edges times ``length``, and its boundary
@@ -32,7 +39,7 @@ method                 adds
 =====================  ===========================================================
 ``add_arguments``      argument and constant nodes, pinned by ``in_shardings``
 ``add_ops``            op nodes (``add_op``) and scans (``add_scan``) in program order
-``add_operands``       beside each op node: the operand layouts it reads, live during its step
+``add_operands``       beside each op node: the operand layouts it reads and its scratch, live during its step
 ``add_scan``           a scan's boundary nodes (``add_scan_operands``), its body's
                        closed-over constants, its body's ops, its y-slices
 ``read_edge``          the edge from a value's producer to one consumer
@@ -66,6 +73,7 @@ from shardsolve.rules import fallback_rule, rule_for
 from shardsolve.rules.elementwise import POINTWISE
 from shardsolve.rules.base import Rule, Strategy
 from shardsolve.sharding import Sharding, candidate_shardings
+from shardsolve.workspace import scratch_bytes, workspace_ratio
 
 Scope = tuple[int, ...]  # () for the program; (k, ...) inside the body of scan op k, ...
 Pins = Sequence[tuple[Sharding | None, str]]
@@ -268,6 +276,84 @@ def memory_traffic(g: Graph, op: Op) -> tuple[bool, ...]:
 
 _REPEATABLE = frozenset({"broadcast_in_dim", "iota"})
 
+#: Primitives whose result takes operand 0's buffer where that operand is read for the last time (XLA updates
+#: it in place; otherwise it copies it first).
+IN_PLACE = frozenset({"scatter", "scatter-add", "scatter-mul", "scatter-min", "scatter-max", "dynamic_update_slice",
+                      "sort"})
+
+
+def runs_in(g: Graph) -> list[int]:
+    """For each op of ``g``, the op in whose step its work is done: its own, or, where every result of it is
+    fused into its readers (``fused``), the last of those readers' (XLA computes it inside them, so what it
+    reads is read there)."""
+    runs = list(range(len(g.ops)))
+    for op in reversed(g.ops):
+        if op.outputs and all(fused(g, v) for v in op.outputs):
+            readers = [k for v in op.outputs for k, _ in g.consumers.get(v, [])]
+            if readers:
+                runs[op.id] = max(runs[k] for k in readers)
+    return runs
+
+
+def read_until(g: Graph) -> dict[int, int]:
+    """For each value of ``g`` that is read, the op in whose step it is read for the last time (``runs_in``: a
+    read by a fused op counts where that op's work is done); ``len(g.ops)`` for an output."""
+    runs = runs_in(g)
+    out: dict[int, int] = {}
+    for op in g.ops:
+        for x in op.inputs:
+            if not isinstance(x, Lit):
+                out[x] = max(out.get(x, -1), runs[op.id])
+    for x in g.outputs:
+        if not isinstance(x, Lit):
+            out[x] = len(g.ops)
+    return out
+
+
+def first_reader(g: Graph, op: Op) -> int | None:
+    """The first op that reads ``op``'s results, where ``op`` (no scan) reads only arguments, constants and
+    literals and makes no output; None otherwise.
+
+    Nothing such an op needs comes later, so XLA's scheduler runs it just
+    before that reader (a broadcast of zeros into a gradient's buffer, an
+    iota), and its results are live from there, not from its place in the
+    program.
+    """
+    if op.primitive == "scan" or any(not isinstance(x, Lit) and g.values[x].kind == "result" for x in op.inputs):
+        return None
+    if any(v in g.output_ids for v in op.outputs):
+        return None
+    readers = [k for v in op.outputs for k, _ in g.consumers.get(v, [])]
+    return min(readers) if readers else None
+
+
+def updated_in_place(g: Graph, vid: int, last: dict[int, int]) -> bool:
+    """Whether value ``vid`` (an op's written result) hands its buffer to its last reader's result.
+
+    XLA's buffer assignment lets a result share a buffer of an operand read
+    for the last time there: an ``IN_PLACE`` update's operand 0, and an
+    elementwise op's first such operand of the result's own shape and type
+    (the result written out, not fused). Such a value is not live in its
+    reader's step: the reader's result is.
+    """
+    k = last.get(vid)
+    if k is None or k >= len(g.ops) or g.values[vid].kind != "result" or vid in g.output_ids:
+        return False
+    reader = g.ops[k]
+    if reader.inputs.count(vid) != 1:
+        return False
+    if reader.primitive in IN_PLACE:
+        return reader.inputs[0] == vid
+    if reader.primitive not in POINTWISE or len(reader.outputs) != 1 or fused(g, vid):
+        return False
+    out, v = g.values[reader.outputs[0]], g.values[vid]
+    if fused(g, out.id) or out.shape != v.shape or out.itemsize != v.itemsize:
+        return False
+    first = next(x for x in reader.inputs if not isinstance(x, Lit) and last.get(x) == k
+                 and g.values[x].kind == "result" and x not in g.output_ids and not fused(g, x)
+                 and g.values[x].shape == v.shape and g.values[x].itemsize == v.itemsize)
+    return first == vid
+
 
 def fused(g: Graph, vid: int) -> bool:
     """Whether value ``vid`` of ``g`` stays inside one of XLA's loop fusions (see ``memory_traffic``)."""
@@ -341,11 +427,14 @@ class RuleStrategies:
 
     @classmethod
     def make(cls, rule: Rule, fixed: tuple[int, ...], itemsizes: tuple[int, ...], mesh: MeshSpec,
-             tables: ReshardTables, uneven: bool = True, traffic: tuple[bool, ...] | None = None) -> RuleStrategies:
+             tables: ReshardTables, uneven: bool = True, traffic: tuple[bool, ...] | None = None,
+             scratch: float = 0.0, live_out: tuple[bool, ...] = ()) -> RuleStrategies:
         strategies = tuple(rule.strategies(mesh, fixed_operands=fixed, allow_uneven=uneven))
         n_in = len(rule.operands)
         costs = np.array([rule.strategy_time(s, mesh, itemsizes, traffic) for s in strategies], dtype=np.float64)
         written = traffic[n_in:] if traffic is not None else (True,) * len(rule.results)
+        if live_out:  # a program output is its output node's buffer
+            written = tuple(w and not out for w, out in zip(written, live_out))
         usage = np.array(  # a result fused into its readers is never allocated
             [
                 sum(r.local_bytes(rule.result_shape(k), itemsizes[n_in + k], mesh)
@@ -355,10 +444,12 @@ class RuleStrategies:
             dtype=np.float64,
         )
         read = traffic[:n_in] if traffic is not None else (True,) * n_in
-        operand_usage = np.array(  # the layouts it reads, materialised (a reshard's result is a new buffer)
-            [
-                sum(o.local_bytes(rule.operand_shape(k), itemsizes[k], mesh)
+        shapes = [rule.operand_shape(k) for k in range(n_in)]
+        operand_usage = np.array(  # the layouts it reads, materialised (a reshard's result is a new buffer),
+            [  # and the scratch it runs with (``workspace``)
+                sum(o.local_bytes(shapes[k], itemsizes[k], mesh)
                     for k, o in enumerate(s.operands) if read[k] and k not in fixed)
+                + scratch_bytes(scratch, s, shapes, itemsizes, fixed, mesh)
                 for s in strategies
             ],
             dtype=np.float64,
@@ -600,9 +691,13 @@ class ProblemBuilder:
             value = graph.values[x]
             pinned, label = out_pins[k]
             cands = candidates(value.shape, mesh, pinned)
+            producer = self.produced_at[((), x)][0]
+            # XLA allocates each output for the whole program (``memory_analysis()`` counts it in full): its
+            # bytes are here, not its producer's (a scan's boundary nodes hold its outputs too: counted twice).
+            usage = np.array([c.evened(value.shape, mesh).local_bytes(value.shape, value.itemsize, mesh)
+                              for c in cands], dtype=np.float64)
             idx = self.add(
-                Node(f"outputs[{k}]", np.zeros(len(cands)), np.zeros(len(cands)), (self.horizon - 1, self.horizon),
-                     tuple(map(str, cands))),
+                Node(f"outputs[{k}]", np.zeros(len(cands)), usage, (0, self.horizon), tuple(map(str, cands))),
                 NodeInfo("output", k, cands),
             )
             self.output_node[k] = idx
@@ -610,7 +705,6 @@ class ProblemBuilder:
                 self.pins.append(Pin(idx, (cands.index(pinned),), label))
             # An uneven output leaves evened (JAX returns no uneven split): the producer reshards straight to that.
             leave = tables.ids([c.evened(value.shape, mesh) for c in cands])
-            producer = self.produced_at[((), x)][0]
             self.edges[(producer, idx)] = tables.table(value.shape, value.itemsize, self.ids_at[((), x)], leave)
             self.reads.append(Read(producer, idx, x, None, leave))
 
@@ -627,12 +721,15 @@ class ProblemBuilder:
 
     def add_ops(self, g: Graph, scope: Scope, scale: float, within: tuple[int, int] | None, prefix: str) -> None:
         """Every op of ``g`` (the program, or a scan body living in the time step ``within``)."""
-        g_last = g.last_use()
+        g_last, g_read = g.last_use(), read_until(g)
         g_outputs = {x for x in g.outputs if not isinstance(x, Lit)}
         for op in g.ops:
             if within is None:  # the program: op k runs at time k + 1, results live to their last reader
-                step = op.id + 1
-                end = max((g_last.get(v, op.id) for v in op.outputs), default=op.id) + 2
+                late = first_reader(g, op)
+                step = op.id + 1 if late is None else late + 1
+                end = max((g_read.get(v, op.id) + 2
+                           - (g_read.get(v) == g_last.get(v) and updated_in_place(g, v, g_last)) for v in op.outputs),
+                          default=op.id + 2)
                 if any(v in g_outputs for v in op.outputs):
                     end = self.horizon + 1
                 interval = (step, end)
@@ -645,8 +742,9 @@ class ProblemBuilder:
             else:
                 self.add_op(g, op, scope, scale, interval, name)
 
-    def rule_strategies(self, g: Graph, op: Op) -> tuple[Rule, bool, RuleStrategies]:
-        """``op``'s rule (or the fallback, reported), and its strategies priced (shared by equal ops)."""
+    def rule_strategies(self, g: Graph, op: Op, live_out: tuple[bool, ...] = ()) -> tuple[Rule, bool, RuleStrategies]:
+        """``op``'s rule (or the fallback, reported), and its strategies priced (shared by equal ops); ``live_out``
+        marks the results that are program outputs (allocated as such, not by the op)."""
         view = g.view(op)
         rule = rule_for(view)
         fallback = rule is None
@@ -654,16 +752,18 @@ class ProblemBuilder:
             rule = fallback_rule(view)
         itemsizes = tuple(np.dtype(d).itemsize for d in view.in_dtypes + view.out_dtypes)
         traffic = memory_traffic(g, op)
-        key = (rule, op.literal_operands, itemsizes, traffic)
+        scratch = workspace_ratio(g, op)
+        key = (rule, op.literal_operands, itemsizes, traffic, scratch, live_out)
         rs = self.rule_cache.get(key)
         if rs is None:
             rs = RuleStrategies.make(rule, op.literal_operands, itemsizes, self.mesh, self.tables, self.options.uneven,
-                                     traffic)
+                                     traffic, scratch, live_out)
             self.rule_cache[key] = rs
         return rule, fallback, rs
 
     def add_op(self, g: Graph, op: Op, scope: Scope, scale: float, interval: tuple[int, int], name: str) -> None:
-        rule, fallback, rs = self.rule_strategies(g, op)
+        live_out = () if scope else tuple(v in g.output_ids for v in op.outputs)
+        rule, fallback, rs = self.rule_strategies(g, op, live_out if any(live_out) else ())
         costs = rs.costs * scale if scale != 1 else rs.costs
         if op.primitive == "scan" and expandable(op):  # not expanded: its body runs replicated
             costs = costs + scale * replicated_scan_time(g, op, self.mesh)

@@ -147,7 +147,7 @@ class Cost:
     total: float
     compute: float
     communication: float
-    peak_memory: float
+    peak_memory: float  # as ``memory_analysis()`` counts the compiled program (``shardsolve.memory``)
     objective: float  # the solver's objective (counts a reshard once per consumer edge)
     bytes_by_kind: tuple[tuple[str, int], ...] = ()
 

@@ -34,6 +34,7 @@ from shardsolve.flax import logical_names
 from shardsolve.graph import Graph, Lit
 from shardsolve.hlo import compiled_memory
 from shardsolve.logical import LogicalAxes
+from shardsolve.memory import peak_memory
 from shardsolve.mesh import MeshSpec, as_mesh_spec
 from shardsolve.plan import Cost, OpPlan, Plan, Signature, predicted_collectives
 from shardsolve.problem import MEMORY_LIMIT_LABEL, Pin
@@ -78,7 +79,8 @@ def to_plan(graph: Graph, built: Built, solution, mesh: MeshSpec, fun: Callable 
     # merged collectives (build.share_merged_latency); reshards are on the edges.
     compute = float(sum(node.costs[a[k]] for k, (node, info) in enumerate(zip(built.problem.nodes, built.nodes))
                         if info.kind != "merged"))
-    collectives = predicted_collectives(build_schedule(graph, mesh, inputs, consts, outputs, ops), mesh)
+    schedule = build_schedule(graph, mesh, inputs, consts, outputs, ops)
+    collectives = predicted_collectives(schedule, mesh)
     communication = sum(c.time for c in collectives)
     by_kind: Counter = Counter()
     for c in collectives:
@@ -87,7 +89,7 @@ def to_plan(graph: Graph, built: Built, solution, mesh: MeshSpec, fun: Callable 
         total=compute + communication,
         compute=compute,
         communication=communication,
-        peak_memory=built.problem.peak_usage(a),
+        peak_memory=peak_memory(graph, built, a, schedule, mesh),
         objective=float(solution.cost),
         bytes_by_kind=tuple(sorted(by_kind.items())),
     )
@@ -196,14 +198,14 @@ def plan(
     its ``memory_analysis()`` peak (argument + output + temp - alias) must be
     within the limit. The plan without the limit is solved first and compiled:
     where its peak fits, it is the plan (the fastest in the model, whatever the
-    limit). Where it does not, the problem is solved under the limit, and
+    limit). Where it does not, the problem is solved under the limit (raised
+    by as much as the model over-counts that plan, as compiled: the model's
+    bound counts every operand twice in the step that reads it), and
     where that plan's compiled peak is over, the limit the solver sees is searched
     (lowered by the overshoot, then bisected) and the plan solved again; the
     fastest plan whose compiled peak fits is returned (``plan.stats``:
     ``memory_rounds``, ``compiled_peak_memory``), or ``InfeasibleError`` after
-    ``MEMORY_ROUNDS`` solves. Where the model calls the limit infeasible but
-    overestimates the compiled peak, the limit it sees is raised by that
-    overestimate first. The solves share ``time_limit``: the one without the
+    ``MEMORY_ROUNDS`` solves. The solves share ``time_limit``: the one without the
     limit gets 40% of it, the first under the limit 30%, each later one a
     tenth. ``"model"`` trusts the cost model's
     estimate. Without enough devices for the mesh the model is trusted.
@@ -274,11 +276,17 @@ def search_plan(built: Built, time_limit: float | None, graph: Graph, mesh_spec:
         plan, compiled, _ = unlimited
         stats = dict(plan.stats) | {"memory_rounds": 1, "compiled_peak_memory": compiled}
         return dataclasses.replace(plan, stats=tuple(sorted(stats.items())))
+    # The model's bound errs high by what it over-counts on the plan without the limit, as compiled: the first
+    # solve sees that much more room (the search below tightens it where its plan compiles over).
+    internal = limit
+    if unlimited is not None and limit >= _allocated_floor(built):  # (below the floor: infeasible as it is)
+        internal = limit + max(0.0, built.problem.peak_usage(unlimited[2]) - unlimited[1])
     say(f"solving{' under the memory limit' if check_compiled else ''} ({len(built.problem.nodes)} nodes, "
-        f"{built.problem.num_strategies} strategies)")
+        f"{built.problem.num_strategies} strategies" + (f"; {format_bytes(internal)} as the model counts it"
+                                                        if internal != limit else "") + ")")
     try:
         first = _share(time_limit, FIRST_SOLVE_SHARE) if check_compiled else time_limit
-        solution = _solve(built, first, seed, tie, say if progress else None, price,
+        solution = _solve(_limited(built, internal), first, seed, tie, say if progress else None, price,
                           None if unlimited is None else unlimited[2])
     except KeyboardInterrupt as interrupt:  # Ctrl-C: hand back the best complete plan so far, where there is one
         interrupt = _as_interrupted(interrupt)
@@ -288,7 +296,7 @@ def search_plan(built: Built, time_limit: float | None, graph: Graph, mesh_spec:
         raise interrupt from None
     if check_compiled:  # an interrupt here carries the best plan that fits as compiled, or none
         return _within_compiled_memory(graph, built, solution, mesh_spec, fun, args, source, limit, time_limit,
-                                       seed, tie, say, progress, price, unlimited)
+                                       seed, tie, say, progress, price, unlimited, internal)
     _refuse_unsolved(built, solution, limit)
     say("done")
     return to_plan(graph, built, solution, mesh_spec, fun, source)
@@ -470,39 +478,39 @@ def _unlimited_probe(graph: Graph, built: Built, mesh: MeshSpec, fun: Callable, 
 def _within_compiled_memory(graph: Graph, built: Built, solution, mesh: MeshSpec, fun: Callable, args: tuple,
                             source: str, limit: float, time_limit: float | None, seed: int, tie: bool,
                             say: Callable[[str], None], progress, price: Callable[[Any], float] | None = None,
-                            unlimited: tuple[Plan, int, tuple[int, ...]] | None = None) -> Plan:
+                            unlimited: tuple[Plan, int, tuple[int, ...]] | None = None,
+                            internal: float | None = None) -> Plan:
     """The fastest plan found whose compiled program's peak memory is within ``limit`` (``plan``'s ``memory_check``).
 
     The model's peak and the compiled one differ by what the model does not
     see (reshard temporaries, XLA's own buffers), and not in proportion, so the
-    limit the solver sees is searched: first ``limit`` itself, then the
-    compiled overshoot taken off, then halving the interval between the
+    limit the solver sees is searched: first ``internal`` (``limit`` raised by
+    what the model over-counts on the plan without the limit, as compiled;
+    ``limit`` itself without that plan), then the compiled overshoot taken
+    off, then halving the interval between the
     largest limit known to fit (or to be infeasible in the model) and the
     smallest known to be too loose (where the solver found a plan under
     ``limit``, at first the planned peak of the plan without the limit, which
     compiles over it), for at most ``MEMORY_ROUNDS`` solves (``time_limit``
-    is the whole call's: each solve here gets its later share). Where the
-    solver finds no plan under ``limit`` at all, the model's overestimate on
-    the plan without the limit (``unlimited``: that plan, its compiled peak and
-    its assignment, from ``_unlimited_probe``; planned minus compiled peak) is
-    tried first. Each solve starts from the fastest plan known to fit, or, before
+    is the whole call's: each solve here gets its later share). ``unlimited``:
+    the plan without the limit, its compiled peak and its assignment (from
+    ``_unlimited_probe``). Where the first solve finds the limit infeasible,
+    even with that slack, the error names the constraints. Each solve starts from the fastest plan known to fit, or, before
     one is known, from the plan without the limit (``encodings.solve``'s
     ``start``: repaired where it breaks the limit the solver sees).
     """
     best: tuple[Plan, int, tuple[int, ...]] | None = None
-    lo, hi, internal, rounds, compiled = 0.0, math.inf, limit, 0, None
+    lo, hi, rounds, compiled = 0.0, math.inf, 0, None
+    internal = limit if internal is None else internal  # the limit ``solution`` was solved under
+
+    def held(assignment: Sequence[int]) -> float:  # an assignment's peak as the solver holds the limit
+        return built.problem.peak_usage(assignment)
+
     if unlimited is not None and unlimited[1] > limit and _found(solution):
-        hi = unlimited[0].cost.peak_memory  # the plan without the limit: too loose as compiled
+        hi = held(unlimited[2])  # the plan without the limit: too loose as compiled
     time_limit = _share(time_limit, LATER_SHARE)  # each re-solve's
-    if not math.isfinite(solution.cost) and solution.status == "infeasible":
-        excess = 0.0 if unlimited is None else unlimited[0].cost.peak_memory - unlimited[1]
-        if excess <= 0:
-            _refuse_unsolved(built, solution, limit)
-        lo, internal = limit, limit + excess
-        say(f"the model counts {format_bytes(excess)} more than the compiled program: solving under "
-            f"{format_bytes(internal)}")
-        solution = _solve(_limited(built, internal), time_limit, seed, tie, say if progress else None, price,
-                          None if unlimited is None else unlimited[2])
+    if not math.isfinite(solution.cost) and solution.status == "infeasible":  # even with the model's slack
+        _refuse_unsolved(built, solution, limit)
     try:  # Ctrl-C from here on (a re-solve, a compile) hands back the fastest plan known to fit, or none
         while True:
             rounds += 1
@@ -517,7 +525,7 @@ def _within_compiled_memory(graph: Graph, built: Built, solution, mesh: MeshSpec
                         best = (plan, compiled, tuple(solution.assignment))
                     lo = max(lo, internal)
                 else:
-                    hi = min(hi, internal, plan.cost.peak_memory)
+                    hi = min(hi, internal, held(solution.assignment))
             if rounds >= MEMORY_ROUNDS or (best is not None and hi <= lo * 1.05):
                 break
             net = _NET.get()
@@ -549,6 +557,17 @@ def _within_compiled_memory(graph: Graph, built: Built, solution, mesh: MeshSpec
     plan, compiled, _ = best
     stats = dict(plan.stats) | {"memory_rounds": rounds, "compiled_peak_memory": compiled}
     return dataclasses.replace(plan, stats=tuple(sorted(stats.items())))
+
+
+def _allocated_floor(built: Built) -> float:
+    """The least bytes per device the arguments, constants and outputs can take (pins respected): the compiled
+    program allocates each of them whole (``memory_analysis()``), so no plan fits a smaller limit."""
+    allowed = {pin.node: pin.allowed for pin in built.problem.pins}
+    total = 0.0
+    for k, (node, info) in enumerate(zip(built.problem.nodes, built.nodes)):
+        if info.kind in ("input", "const", "output") and len(node.usages):
+            total += float(np.min(node.usages[list(allowed[k])] if k in allowed else node.usages))
+    return total
 
 
 def _limited(built: Built, limit: float | None) -> Built:

@@ -32,9 +32,9 @@ STAGES: tuple[tuple[str, ...], ...] = (
     ("graph",),
     ("rules",),
     ("problem",),
-    ("annotations", "build", "logical", "flax"),  # flax: the glue to Flax models (flax imported lazily)
+    ("annotations", "build", "logical", "flax", "workspace"),  # flax: the glue to Flax models (imported lazily)
     ("encodings", "iopddl"),  # the solver layer (presolve and tying inside encodings/)
-    ("schedule",),
+    ("schedule", "memory"),  # memory: the plan's buffers, counted from its schedule
     ("lower",),  # the rewriter executes a schedule; ``plan.jit()`` runs its program
     ("export", "plan", "planner"),  # plan / export (``Plan`` methods hand off to export)
     ("verify", "compare", "explain"),

@@ -106,6 +106,27 @@ def test_the_plan_without_the_limit_is_kept_where_it_fits_as_compiled(monkeypatc
     assert held.cost.peak_memory <= limit and held.cost.total > free.cost.total
 
 
+def test_the_first_solve_under_a_limit_has_the_models_overestimate_as_room(monkeypatch):
+    """The model's bound errs high (operands counted twice): the first solve under a limit sees it raised by
+    what the bound over-counts on the plan without the limit, as compiled; the plan kept fits as compiled."""
+    seen, search = [], planner.search_once
+
+    def recording(built, *args, **kwargs):
+        seen.append(built.problem.usage_limit)
+        return search(built, *args, **kwargs)
+
+    monkeypatch.setattr(planner, "search_once", recording)
+    free = shardsolve.plan(_stack_step, *ARGS, mesh=MESH, in_shardings=(None, P("data")), tie=False)
+    monkeypatch.setattr(planner, "compiled_peak", lambda plan, args: int(0.6 * plan.cost.peak_memory))
+    limit = int(0.9 * 0.6 * free.cost.peak_memory)  # the plan without the limit compiles over it
+    seen.clear()
+    plan = shardsolve.plan(_stack_step, *ARGS, mesh=MESH, in_shardings=(None, P("data")), tie=False,
+                           time_limit=8.0, memory_limit=limit)
+    limited = [x for x in seen if x is not None]
+    assert limited and limited[0] > limit
+    assert dict(plan.stats)["compiled_peak_memory"] <= limit
+
+
 def test_logical_rules_reference_solve_shares_the_time_limit(monkeypatch):
     pytest.importorskip("flax")
     from test_flax import _nnx_setup, _plan

@@ -324,7 +324,7 @@ def test_memory_counts_padded_shards_and_evened_arguments():
     from shardsolve.trace import trace
 
     x = jax.ShapeDtypeStruct((10, 6), jnp.float32)
-    graph = Graph.from_traced(trace(jnp.tanh, x))
+    graph = Graph.from_traced(trace(lambda x: jnp.tanh(x) @ jnp.ones((6, 3)), x))  # tanh's result: a buffer
     pinned = Sharding((("model",), ()))
     built = build_problem(graph, SPEC, [(pinned, "in_shardings[0]")], [(None, "out")])
     node = built.value_node[graph.inputs[0]]

@@ -1,0 +1,270 @@
+"""A plan's peak memory per device, as ``memory_analysis()`` of the compiled program counts it.
+
+XLA's measure is argument + output + temp - alias bytes: every argument and
+every output allocated for the whole program, and a heap of temporaries at
+its peak. The solver holds a memory limit on the problem's node usages
+(``Problem.usage_profile``), which count the same arguments and outputs, but
+count an op's operand layouts (``build.ProblemBuilder.add_operands``) once
+more during its step, reshard or not, because the solver decides both ends
+of an edge apart. That bound errs high. Once the plan is fixed, the reshard
+schedule (``shardsolve.schedule``) says which reads do reshard, and this
+module counts the compiled program's buffers from it (``peak_memory``):
+
+* an argument, a constant and an output for the whole program; a scan's
+  boundary and body as the problem counts them;
+* each op result in its strategy's layout (a result fused into its readers,
+  ``build.memory_traffic``, has none), from its op's step through its last
+  read, where a read by a fused op is done where that op's work is
+  (``build.runs_in``: inside its reader, maybe much later, so what it reads
+  lives until then); an output's result is that output's allocation;
+* a reshard's result where the schedule runs steps, from the read's step
+  through the last read of that layout (the reshard cache serves later
+  reads): the result of its last collective, the local cuts after it fused
+  into the readers, and the largest of its steps' results during the step; a reshard that only cuts a result smaller, with no collective, runs
+  where the result is made (XLA's scheduler hoists it so the whole buffer can
+  go: a forward activation read split by the backward pass is kept as the
+  split), and then ends the result's own life; any other local cut (of an
+  argument, or of a result that stays) is made at each read, fused into an
+  elementwise reader, a buffer of that step for any other;
+* a result read for the last time, in the layout it was made in, by an
+  in-place update (as its operand 0) or an elementwise op of its shape
+  (``build.updated_in_place``), or by a fused op whose loop fusion is rooted
+  in an elementwise or layout op of its bytes (a gradient transposed and
+  scaled into the parameter update), hands its buffer to that op's result,
+  one buffer a result (and a buffer handed on to an output is that output's
+  allocation);
+* an op's scratch (``shardsolve.workspace``) during its step.
+
+The temporaries then go where XLA's buffer assignment puts them
+(``_unpacked``): largest first, each into the smallest output allocation
+that is large enough and not in use over its life (an output's allocation is
+free until its value is first written), else onto the heap. The peak is the
+arguments, the outputs and the heap's largest total.
+
+The problem counts every other buffer counted here, over an interval no
+shorter, except what an edge rather than a node decides: a reshard's
+intermediate results (an all-gather over more axes than its target needs,
+then a cut, keeps the whole gathered value), and a layout the reshard cache
+keeps for later reads. Without those, ``peak_memory`` is at most the
+problem's peak; with them it can be above it, which is where a plan solved
+under a limit compiles over it.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from typing import Sequence
+
+import numpy as np
+
+from shardsolve.build import FUSED_CONSUMERS, FUSED_PRODUCERS, Built, fused, memory_traffic, runs_in, updated_in_place
+from shardsolve.graph import Graph, ScanBoundary
+from shardsolve.mesh import MeshSpec
+from shardsolve.schedule import LOOP_INVARIANTS, OPERANDS, Schedule
+from shardsolve.sharding import Sharding
+from shardsolve.workspace import scratch_bytes, workspace_ratio
+
+
+def peak_memory(graph: Graph, built: Built, assignment: Sequence[int], schedule: Schedule, mesh: MeshSpec) -> float:
+    """The plan's peak bytes per device (see the module docstring)."""
+    profile = memory_profile(graph, built, assignment, schedule, mesh)
+    return float(profile.max()) if len(profile) else 0.0
+
+
+def memory_profile(graph: Graph, built: Built, assignment: Sequence[int], schedule: Schedule,
+                   mesh: MeshSpec) -> np.ndarray:
+    """Bytes per device allocated at each time step of the problem (t = 0 arguments, t = k + 1 op k): the
+    arguments, every output, and the temporaries live then that no output's allocation holds."""
+    problem = built.problem
+    horizon = max((n.interval[1] for n in problem.nodes), default=0)
+    temps: list[tuple[int, int, float, str]] = []  # (start, end, bytes, what)
+
+    made: dict[int, tuple[int, Sharding, int]] = {}  # result value -> (step, layout, end as the problem has it)
+    scan_result: dict[int, int] = {}  # an expanded scan's result -> its boundary node (which holds its bytes)
+    for op in graph.ops:
+        idx = built.op_node.get(op.id)
+        if idx is None:  # an expanded scan: its results are its carry and ys nodes
+            sn = built.scans.get((op.id,))
+            n_carry = len(sn.carry) if sn is not None else 0
+            for r, v in enumerate(op.outputs if sn is not None else ()):
+                node = sn.carry[r] if r < n_carry else sn.ys[r - n_carry]
+                layout = built.nodes[node].shardings[assignment[node]]
+                start, end = problem.nodes[node].interval
+                made[v] = (start, layout if r < n_carry else ScanBoundary.stacked(layout), end)
+                scan_result[v] = node
+            continue
+        info = built.nodes[idx]
+        strategy = info.strategies[assignment[idx]]
+        start, end = problem.nodes[idx].interval
+        written = memory_traffic(graph, op)[len(op.inputs):]
+        for r, v in enumerate(op.outputs):
+            made[v] = (start, strategy.results[r], end if written[r] else start)
+        view = graph.view(op)
+        ratio = workspace_ratio(graph, op)
+        if ratio:
+            itemsizes = [np.dtype(d).itemsize for d in view.in_dtypes]
+            temps.append((start, start + 1, scratch_bytes(ratio, strategy, view.in_shapes, itemsizes,
+                                                          op.literal_operands, mesh), f"{op.name()} scratch"))
+
+    # The reads of each result and each reshard's buffer, from the schedule's operand demands.
+    last_read: dict[int, int] = {}  # result value -> the step after its last read in its own layout
+    buffers: dict[tuple[int, Sharding], list] = {}  # (value, layout) -> [start, end, bytes]
+    sliced: set[tuple[int, Sharding]] = set()  # layouts cut locally from the value's own buffer, read by read
+    aliased: set[tuple[int, int]] = set()  # (value, op) read in the layout it was made in
+    arrived = {v: built.sharding(built.value_node[v], assignment) for v in (*graph.inputs, *graph.consts)
+               if v in built.value_node}
+    runs = runs_in(graph)  # a read by a fused op is done where that op's work is
+    for d in schedule.demands:
+        if d.site.kind not in (OPERANDS, LOOP_INVARIANTS) or d.site.scope != () or d.scope != ():
+            continue
+        step = runs[d.site.index] + 1
+        v = graph.values[d.value]
+        own = made.get(d.value)
+        produced = own[1] if own is not None else arrived.get(d.value)
+        nbytes = d.target.local_bytes(v.shape, v.itemsize, mesh)
+        # A local cut of a buffer that stays (no collective) is made where it is read: fused into an
+        # elementwise reader, a buffer of the read's step for any other.
+        transient = (0.0 if d.site.kind == OPERANDS and graph.ops[d.site.index].primitive in FUSED_CONSUMERS
+                     else nbytes, f"{v.name} in {d.target}")
+        if d.steps:
+            local = d.source == produced and not any(s.is_collective for s in d.steps)
+            hoisted = own is not None and local and nbytes < produced.local_bytes(v.shape, v.itemsize, mesh)
+            if local and not hoisted:
+                sliced.add((d.value, d.target))
+                temps.append((step, step + 1, *transient))
+                last_read[d.value] = max(last_read.get(d.value, 0), step + 1)
+                continue
+            # Each step's result is a buffer of its own; XLA fuses the local cuts after the last collective
+            # into the readers, so that collective's result is the buffer kept (an all-gather over more axes
+            # than the target needs keeps the whole gathered value), and the largest lives during the step.
+            made_bytes = [st.dst.local_bytes(v.shape, v.itemsize, mesh) for st in d.steps]
+            last = max((i for i, st in enumerate(d.steps) if st.is_collective), default=len(d.steps) - 1)
+            kept = nbytes if hoisted else made_bytes[last]
+            if max(made_bytes) > kept:
+                temps.append((step, step + 1, max(made_bytes) - kept, f"{v.name} reshard to {d.target}"))
+            buffers[(d.value, d.target)] = [own[0] if hoisted else step, step + 1, kept]
+            if d.source != produced:  # made from a layout made before: that buffer lives to here
+                _extend(buffers, (d.value, d.source), step)
+            elif not hoisted:
+                last_read[d.value] = max(last_read.get(d.value, 0), step + 1)
+        elif (d.value, d.target) in sliced:  # cut again
+            temps.append((step, step + 1, *transient))
+            last_read[d.value] = max(last_read.get(d.value, 0), step + 1)
+        elif d.target != produced:  # a layout made before, read again
+            _extend(buffers, (d.value, d.target), step)
+        else:
+            last_read[d.value] = max(last_read.get(d.value, 0), step + 1)
+            if d.site.kind == OPERANDS:
+                aliased.add((d.value, d.site.index))
+    temps.extend((*b, f"{graph.values[v].name} in {layout}") for (v, layout), b in buffers.items())
+
+    last_use = graph.last_use()
+    lives: dict[int, tuple[int, int, float]] = {}
+    hands: dict[int, int] = {}  # value -> the result its buffer becomes
+    taken: set[int] = set()  # results that took a buffer over
+    for vid, (start, layout, end) in made.items():
+        if end <= start or vid in graph.output_ids:  # fused (never written), or an output's own allocation
+            continue
+        v = graph.values[vid]
+        nbytes = layout.local_bytes(v.shape, v.itemsize, mesh)
+        read_until = last_read.get(vid, start + 1)
+        k = last_use.get(vid)
+        if (vid, k) in aliased and read_until == runs[k] + 2:
+            taker = k if updated_in_place(graph, vid, last_use) else _fusion_root(graph, vid, k, runs)
+            if taker is not None and graph.ops[taker].outputs[0] not in taken \
+                    and _same_bytes(graph, made, taker, nbytes, mesh):
+                read_until -= 1
+                hands[vid] = graph.ops[taker].outputs[0]
+                taken.add(hands[vid])
+        lives[vid] = (start, min(end, read_until), nbytes)
+    written_from: dict[int, int] = {}  # an output -> the first step its allocation holds one of its values
+    skip = {scan_result[v] for v in graph.output_ids if v in scan_result}  # the output node counts it
+    for vid, (start, end, nbytes) in lives.items():
+        root = _handed_to(hands, vid)
+        if root in graph.output_ids:  # a buffer handed on to an output is that output's allocation
+            written_from[root] = min(written_from.get(root, start), start)
+            if vid in scan_result:
+                skip.add(scan_result[vid])
+        elif vid not in scan_result:  # a scan's result is its boundary node's, counted below
+            temps.append((start, end, nbytes, graph.ops[graph.values[vid].producer].name()))
+
+    delta = np.zeros(horizon + 2, dtype=np.float64)
+    allocations: list[tuple[float, int]] = []  # (bytes, the first step the output's allocation is in use)
+    for k, (node, info) in enumerate(zip(problem.nodes, built.nodes)):
+        if (info.kind in ("op", "operands") and not info.scope) or k in skip:
+            continue  # counted above, from the schedule
+        usage = float(node.usages[assignment[k]])
+        if info.kind == "output":
+            x = graph.outputs[info.ref]
+            first = made[x][0] if x in made else 0
+            allocations.append((usage, min(first, written_from.get(x, first))))
+        elif info.kind in ("input", "const"):
+            delta[node.interval[0]] += usage
+            delta[min(node.interval[1], horizon + 1)] -= usage
+        else:
+            temps.append((*node.interval, usage, node.name))
+    fixed = sum(b for b, _ in allocations)
+    for start, end, nbytes, _ in _unpacked(temps, allocations):
+        delta[start] += nbytes
+        delta[min(end, horizon + 1)] -= nbytes
+    return np.cumsum(delta)[:horizon] + fixed
+
+
+def _unpacked(temps: list[tuple[int, int, float, str]],
+              allocations: list[tuple[float, int]]) -> list[tuple[int, int, float, str]]:
+    """The temporaries no output's allocation holds, XLA's buffer assignment imitated.
+
+    XLA assigns buffers largest first; a temporary may reuse an output's
+    allocation as large as it or larger (the smallest that will do) while
+    nothing else in it is live: before the output's value is first written
+    and apart from the temporaries already placed there. What is left goes to
+    the temporary heap.
+    """
+    slots = sorted(((size, first, []) for size, first in allocations if size > 0), key=lambda s: s[0])
+    sizes = [s[0] for s in slots]
+    left = []
+    for temp in sorted((t for t in temps if t[1] > t[0] and t[2] > 0), key=lambda t: (-t[2], t[0])):
+        start, end, nbytes = temp[:3]
+        for size, first, held in slots[bisect.bisect_left(sizes, nbytes):]:
+            if end <= first and all(end <= s or e <= start for s, e in held):
+                held.append((start, end))
+                break
+        else:
+            left.append(temp)
+    return left
+
+
+def _extend(buffers: dict, key: tuple, step: int) -> None:
+    if key in buffers:
+        buffers[key][1] = max(buffers[key][1], step + 1)
+
+
+def _same_bytes(graph: Graph, made: dict, k: int, nbytes: float, mesh: MeshSpec) -> bool:
+    """Whether op ``k``'s result is a buffer of ``nbytes`` (one an operand's buffer can become)."""
+    out = graph.ops[k].outputs[0]
+    if out not in made:
+        return False
+    v = graph.values[out]
+    return made[out][1].local_bytes(v.shape, v.itemsize, mesh) == nbytes
+
+
+def _handed_to(hands: dict[int, int], vid: int) -> int:
+    """The value whose buffer ``vid``'s becomes, through results that take it over (``vid`` itself if none)."""
+    while vid in hands:
+        vid = hands[vid]
+    return vid
+
+
+def _fusion_root(graph: Graph, vid: int, k: int, runs: Sequence[int]) -> int | None:
+    """The op whose result can take ``vid``'s buffer where ``vid``'s last reader ``k`` is fused into a later op
+    (``build.runs_in``): that op, where it is elementwise or a layout change (the root of a loop fusion) of
+    one result, written out, of ``vid``'s bytes; else None."""
+    root = runs[k]
+    if root == k or fused(graph, vid) or graph.values[vid].kind != "result":
+        return None
+    op = graph.ops[root]
+    if op.primitive not in FUSED_PRODUCERS or len(op.outputs) != 1 or fused(graph, op.outputs[0]):
+        return None
+    out, v = graph.values[op.outputs[0]], graph.values[vid]
+    return root if math.prod(out.shape) * out.itemsize == math.prod(v.shape) * v.itemsize else None
