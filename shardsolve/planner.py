@@ -503,11 +503,8 @@ def _within_compiled_memory(graph: Graph, built: Built, solution, mesh: MeshSpec
     lo, hi, rounds, compiled = 0.0, math.inf, 0, None
     internal = limit if internal is None else internal  # the limit ``solution`` was solved under
 
-    def held(assignment: Sequence[int]) -> float:  # an assignment's peak as the solver holds the limit
-        return built.problem.peak_usage(assignment)
-
     if unlimited is not None and unlimited[1] > limit and _found(solution):
-        hi = held(unlimited[2])  # the plan without the limit: too loose as compiled
+        hi = built.problem.peak_usage(unlimited[2])  # the plan without the limit, as the solver holds it: too loose
     time_limit = _share(time_limit, LATER_SHARE)  # each re-solve's
     if not math.isfinite(solution.cost) and solution.status == "infeasible":  # even with the model's slack
         _refuse_unsolved(built, solution, limit)
@@ -525,7 +522,7 @@ def _within_compiled_memory(graph: Graph, built: Built, solution, mesh: MeshSpec
                         best = (plan, compiled, tuple(solution.assignment))
                     lo = max(lo, internal)
                 else:
-                    hi = min(hi, internal, held(solution.assignment))
+                    hi = min(hi, internal, built.problem.peak_usage(solution.assignment))
             if rounds >= MEMORY_ROUNDS or (best is not None and hi <= lo * 1.05):
                 break
             net = _NET.get()
