@@ -111,6 +111,11 @@ MOVE_SHARE = 0.05
 #: nothing valid yet, a valid answer comes first (CP-SAT's feasibility model, the next resort, takes minutes to
 #: build on the large instances).
 FEASIBILITY_WALL = 60.0
+#: With nothing valid after the starts, the LP left out for the budget runs past it where it charges at most
+#: ``FEASIBILITY_LP`` seconds of work (a small problem under a tight memory limit, solved in a share of a
+#: second), and its rounding gets at least ``FEASIBILITY_ROUNDING`` seconds of CP-SAT's deterministic time.
+FEASIBILITY_LP = 5.0
+FEASIBILITY_ROUNDING = 3.0
 #: ``heuristics.warm_start``: at most this many rounds, within this share of the budget left, a round
 #: charged as this many Python passes over nodes and edges (1 to 5.5 measured on planner problems).
 WARM_ROUNDS = 12
@@ -377,6 +382,14 @@ class Portfolio:
         if self.decision <= TINY_NODES:
             return self.phase("whole model", self.solve_tiny)
         self.phase("starts", self.warm_starts)
+        skipped = self.stats.get("lp_skipped_charge_s", math.inf)
+        if self.best_x is None and self.guide is None and skipped <= FEASIBILITY_LP:
+            # nothing valid yet and the LP was left out for the budget: its rounding is the likeliest valid start
+            done = self.phase("lp", lambda: self.lp_relaxation(force=True))
+            if done is not None:
+                return done
+            if self.guide is not None:
+                self.round_lp(least=FEASIBILITY_ROUNDING, wall=FEASIBILITY_WALL)
         if self.best_x is None:
             done = self.phase("feasibility", self.find_feasible)
             if done is not None:
@@ -404,16 +417,17 @@ class Portfolio:
             self.report(name, self.best_cost + self.offset, self.bound + self.offset)
         return done
 
-    def lp_relaxation(self) -> Solution | None:
+    def lp_relaxation(self, force: bool = False) -> Solution | None:
         """Moderate sizes: the LP with memory, a bound and a guide for the search; optimal when integral.
 
-        Planner problems and IOPDDL B/G have an integral LP: its rounding is optimal.
+        Planner problems and IOPDDL B/G have an integral LP: its rounding is optimal. ``force``: run it past
+        the budget (a valid answer first: when the starts found none, the LP's rounding usually is one).
         """
         flat, stats = self.flat, self.stats
         if flat.n > LP_MAX_NODES:
             return None
         pairs = sum(int(np.isfinite(t).sum()) for t in flat.tables)
-        if pairs >= PROBE_MIN_DENSITY * sum(t.size for t in flat.tables):
+        if pairs >= PROBE_MIN_DENSITY * sum(t.size for t in flat.tables) and not force:
             done = self.trws_probe()
             if done is not None:
                 return done
@@ -423,11 +437,12 @@ class Portfolio:
         if allowed > bounds.LP_MAX_PAIRS:  # too large for the LP, even pruned
             return None
         charge = LP_CHARGE * (sum(len(c) for c in target.costs) + allowed)
-        if charge > LP_SHARE * self.budget:  # deterministic: the size decides, never the clock
+        if charge > LP_SHARE * self.budget and not force:  # deterministic: the size decides, never the clock
             stats["lp_skipped_charge_s"] = round(charge, 3)
             return None
         lp_started = time.perf_counter()
-        lp_value, lp_margin, marginals = bounds.lp_solve(target, time_limit=max(0.1, self.wall_left()))
+        wall = max(self.wall_left(), FEASIBILITY_WALL) if force else max(0.1, self.wall_left())
+        lp_value, lp_margin, marginals = bounds.lp_solve(target, time_limit=wall)
         stats["lp_s"] = round(time.perf_counter() - lp_started, 3)
         self.budget -= charge
         if lp_value == math.inf:
@@ -559,8 +574,9 @@ class Portfolio:
         self.consider(x, cost)
         self.stats["start_cost"] = cost + self.offset if math.isfinite(cost) else None
 
-    def round_lp(self) -> None:
-        """The LP's rounding, its fractional nodes and their neighbours solved exactly with the rest held."""
+    def round_lp(self, least: float = 0.5, wall: float = 0.0) -> None:
+        """The LP's rounding, its fractional nodes and their neighbours solved exactly with the rest held (for at
+        least ``least`` seconds of CP-SAT's deterministic time, and ``wall`` seconds past the safety net)."""
         flat, guide = self.flat, self.guide
         frac = np.array([len(m) > 1 and float(np.max(m)) < 1.0 - 1e-6 for m in self.marginals])
         free = set(np.flatnonzero(frac).tolist())
@@ -569,8 +585,8 @@ class Portfolio:
         free_idx = np.array(sorted(free), dtype=np.int64)
         if len(free_idx):
             sub = subproblem(flat, free_idx, guide)
-            y, _, _, used = cpsat.solve_neighbourhood(sub, guide[free_idx], min(0.2 * self.budget, 20.0), self.seed,
-                                                      self.wall_left())
+            y, _, _, used = cpsat.solve_neighbourhood(sub, guide[free_idx], min(max(0.2 * self.budget, least), 20.0),
+                                                      self.seed, max(self.wall_left(), wall))
             self.budget -= used
             if y is not None:
                 x_r = guide.copy()

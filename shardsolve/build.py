@@ -58,6 +58,7 @@ way: an edge forbidding the strategy pairs that break the tie.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import math
 from dataclasses import dataclass, field
@@ -109,7 +110,8 @@ class NodeInfo:
     """What one problem node decides."""
 
     kind: str  # "input", "const", "op", "operands", "output", "scan-const", "scan-carry", "scan-xs", "scan-ys",
-    # "scan-body-const", "merged" (a merge key's latency: ``share_merged_latency``)
+    # "scan-body-const", "merged" (a merge key's latency: ``share_merged_latency``), "kept" (a layout the
+    # reshard cache keeps: ``add_kept_layouts``)
     ref: int  # value id (input/const), op id, or output position
     shardings: tuple[Sharding, ...] = ()  # for input/const/output nodes: strategy -> sharding
     rule: Rule | None = None
@@ -506,6 +508,8 @@ class ProblemBuilder:
         self.add_ops(self.graph, (), 1.0, None, "")
         self.add_outputs(out_pins)
         self.add_ties(ties)
+        if memory_limit is not None:
+            self.add_kept_layouts()
         self.share_merged_latency()
         problem = Problem(
             tuple(self.nodes),
@@ -650,6 +654,74 @@ class ProblemBuilder:
         self.plain_edges = dict(edges) if optimistic else None
         for k, rest in optimistic.items():
             edges[k] = discounted(edges[k], rest)
+
+    def add_kept_layouts(self) -> None:
+        """The memory of the layouts the reshard cache keeps between a value's reads.
+
+        A read in a layout other than the value's own makes a buffer
+        (``add_operands`` counts it during the read's step), and the reshard
+        cache (``schedule``) keeps it for the value's later reads in that
+        layout: an FSDP weight gathered for the forward pass stays gathered
+        until the backward pass reads it (XLA merges repeated identical
+        gathers, so the compiled program keeps it too). For each read of an
+        argument but its last, a node holds the read's layout from the
+        step after the read up to the argument's next read, where the layout is
+        not the value's own and no smaller than it (a smaller one is a local
+        cut, made at each read), and the next read takes it too. Its strategies
+        are the read's layout with why it holds nothing (the layout is the
+        source's, or the next read takes another) or that it is kept: an edge
+        to the reader fixes the layout, one to the producer allows the first
+        reason only where it holds, one to each next reader the second, so
+        the bytes are exact given the three ends (a layout kept past a read in
+        another, for a read after that, is left out).
+        Op results are left out: held over their backward reads, every
+        activation would carry such a node, and the search under a limit
+        slows several times over on large programs (their kept layouts are
+        counted by ``memory.peak_memory``, not by the bound).
+        """
+        runs = runs_in(self.graph)
+        by_value: dict[int, list[tuple[int, Read]]] = {}
+        for r in self.reads:
+            if r.consumer is not None:
+                by_value.setdefault(r.value, []).append((runs[r.consumer] + 1, r))
+        shardings, mesh, values = self.tables.shardings, self.mesh, self.graph.values
+        arguments = set(self.graph.inputs)
+        for x, reads in by_value.items():
+            steps = sorted({step for step, _ in reads})
+            if len(steps) < 2 or x not in arguments:
+                continue
+            value = values[x]
+            src = self.ids_at[((), x)]
+            src_ids = np.unique(src)
+            src_bytes = {int(i): shardings[i].local_bytes(value.shape, value.itemsize, mesh) for i in src_ids}
+            for step, r in reads:
+                following = steps[bisect.bisect_right(steps, step)] if step < steps[-1] else None
+                if following is None or following <= step + 1:
+                    continue
+                layouts = np.unique(r.dst)
+                nbytes = np.array([shardings[j].local_bytes(value.shape, value.itemsize, mesh) for j in layouts])
+                # kept[i, j]: source layout i read as layout j leaves a buffer of j's bytes behind
+                kept = np.array([[i != j and nbytes[b] >= src_bytes[int(i)] for b, j in enumerate(layouts)]
+                                 for i in src_ids])
+                if not kept.any():
+                    continue
+                n = len(layouts)
+                # strategies: (layout, the source's own), (layout, the next read takes another), (layout, kept)
+                usage = np.concatenate([np.zeros(2 * n), nbytes])
+                labels = tuple(f"{shardings[j]}{why}" for why in ("", " not read next", " kept") for j in layouts)
+                aux = self.add(Node(f"{value.name} kept for step {following}", np.zeros(3 * n), usage,
+                                    (step + 1, following), labels), NodeInfo("kept", x))
+                at = np.searchsorted(layouts, r.dst)  # the reader's layout per strategy
+                reader = np.full((3 * n, len(r.dst)), FORBIDDEN)
+                for block in range(3):
+                    reader[block * n + at, np.arange(len(r.dst))] = 0.0
+                self.add_edge(aux, r.producer, np.concatenate([  # the producer's layout, per strategy
+                    np.where(kept[np.searchsorted(src_ids, src)].T, FORBIDDEN, 0.0), np.zeros((2 * n, len(src)))]))
+                self.add_edge(aux, r.to, reader)
+                for _, later in (read for read in reads if read[0] == following):
+                    same = layouts[:, None] == later.dst[None, :]  # (layouts, the later reader's strategies)
+                    self.add_edge(aux, later.to, np.concatenate([
+                        np.zeros((n, len(later.dst))), np.where(same, FORBIDDEN, 0.0), np.zeros((n, len(later.dst)))]))
 
     def _discount(self, r: Read, drop: np.ndarray) -> None:
         """Take ``drop`` (producer strategies x reader strategies) off the edge of read ``r``."""

@@ -42,12 +42,15 @@ free until its value is first written), else onto the heap. The peak is the
 arguments, the outputs and the heap's largest total.
 
 The problem counts every other buffer counted here, over an interval no
-shorter, except what an edge rather than a node decides: a reshard's
-intermediate results (an all-gather over more axes than its target needs,
-then a cut, keeps the whole gathered value), and a layout the reshard cache
-keeps for later reads. Without those, ``peak_memory`` is at most the
-problem's peak; with them it can be above it, which is where a plan solved
-under a limit compiles over it.
+shorter, except a reshard's intermediate results (an all-gather over more
+axes than its target needs, then a cut, keeps the whole gathered value),
+which an edge rather than a node decides, and a layout the reshard cache
+keeps for later reads of an op's result. Such a layout of an argument (an
+FSDP weight gathered for the forward pass and kept for the backward) is
+counted under a memory limit (``build.ProblemBuilder.add_kept_layouts``, up
+to the argument's next read). So ``peak_memory`` is at most the problem's
+peak but where one of those buffers is at the peak: there a plan solved
+under a limit can compile over it.
 """
 
 from __future__ import annotations
@@ -192,7 +195,7 @@ def memory_profile(graph: Graph, built: Built, assignment: Sequence[int], schedu
     delta = np.zeros(horizon + 2, dtype=np.float64)
     allocations: list[tuple[float, int]] = []  # (bytes, the first step the output's allocation is in use)
     for k, (node, info) in enumerate(zip(problem.nodes, built.nodes)):
-        if (info.kind in ("op", "operands") and not info.scope) or k in skip:
+        if (info.kind in ("op", "operands", "kept") and not info.scope) or k in skip:
             continue  # counted above, from the schedule
         usage = float(node.usages[assignment[k]])
         if info.kind == "output":

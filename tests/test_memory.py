@@ -12,14 +12,18 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
 import shardsolve
 from shardsolve import planner
+from shardsolve.build import build_problem
 from shardsolve.graph import Graph
 from shardsolve.hlo import compiled_memory
+from shardsolve.mesh import MeshSpec
+from shardsolve.problem import FORBIDDEN
 from shardsolve.trace import trace
 from shardsolve.workspace import workspace_ratio
 
@@ -109,3 +113,48 @@ def test_peak_is_within_the_bound_the_solver_holds(monkeypatch):
     for plan, bound in solved:
         assert 0 < plan.cost.peak_memory <= bound * (1 + 1e-9)
     assert any(plan.cost.peak_memory < bound for plan, bound in solved)  # the bound counts reads twice
+
+
+def test_layouts_the_reshard_cache_keeps_are_in_the_bound():
+    """Under a memory limit, an argument read in another layout than its own, and read next in that layout
+    too, keeps that layout until then (the reshard cache keeps it, and so does the compiled program): the
+    problem charges exactly its bytes for every (argument, reader, next reader) choice of strategies."""
+    def loss(x, w1, w2):
+        h = jax.nn.relu(x @ w1)
+        return jnp.mean((h @ w2) ** 2)
+
+    step = jax.grad(loss, argnums=(1, 2))
+    args = (jax.ShapeDtypeStruct((256, 512), F32), jax.ShapeDtypeStruct((512, 1024), F32),
+            jax.ShapeDtypeStruct((1024, 512), F32))
+    mesh = MeshSpec.parse(MESH)
+    graph = _graph(step, *args)
+    pins_in, pins_out = [(None, "")] * len(graph.inputs), [(None, "")] * len(graph.outputs)
+    built = build_problem(graph, mesh, pins_in, pins_out, float(1 << 30))
+    unlimited = build_problem(graph, mesh, pins_in, pins_out, None)
+    assert not any(info.kind == "kept" for info in unlimited.nodes)  # nothing to hold without a limit
+    problem = built.problem
+    edges = {(e.u, e.v): e.costs for e in problem.edges}
+    kept = [k for k, info in enumerate(built.nodes) if info.kind == "kept"]
+    w2 = graph.inputs[2]
+    assert any(built.nodes[k].ref == w2 for k in kept)  # read forward, and backward for h's gradient
+    checked = 0
+    for k in kept:
+        x = built.nodes[k].ref
+        value = graph.values[x]
+        producer = built.value_node[x] if x in built.value_node else built.op_node[value.producer]
+        (reader, later) = sorted(v for (u, v) in edges if u == k and v != producer)  # one next read here
+        operand = graph.ops[built.nodes[reader].ref].inputs.index(x)
+        following = graph.ops[built.nodes[later].ref].inputs.index(x)
+        for p, source in enumerate(built.nodes[producer].shardings):
+            for r, strategy in enumerate(built.nodes[reader].strategies):
+                layout = strategy.operands[operand]
+                nbytes = layout.local_bytes(value.shape, value.itemsize, mesh)
+                made = layout != source and nbytes >= source.local_bytes(value.shape, value.itemsize, mesh)
+                for q, next_strategy in enumerate(built.nodes[later].strategies):
+                    allowed = ((edges[(k, producer)][:, p] < FORBIDDEN) & (edges[(k, reader)][:, r] < FORBIDDEN)
+                               & (edges[(k, later)][:, q] < FORBIDDEN))
+                    charged = made and next_strategy.operands[following] == layout
+                    # the least the solver can hold for it is exact: the layout's bytes where it is kept
+                    assert problem.nodes[k].usages[allowed].min() == (nbytes if charged else 0.0)
+                    checked += charged
+    assert checked > 0
