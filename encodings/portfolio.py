@@ -113,7 +113,8 @@ MOVE_SHARE = 0.05
 FEASIBILITY_WALL = 60.0
 #: With nothing valid after the starts, the LP left out for the budget runs past it where it charges at most
 #: ``FEASIBILITY_LP`` seconds of work (a small problem under a tight memory limit, solved in a share of a
-#: second), and its rounding gets at least ``FEASIBILITY_ROUNDING`` seconds of CP-SAT's deterministic time.
+#: second), for at most that many wall seconds past the safety net, and its rounding gets at least
+#: ``FEASIBILITY_ROUNDING`` seconds of CP-SAT's deterministic time, and as many wall seconds past the net.
 FEASIBILITY_LP = 5.0
 FEASIBILITY_ROUNDING = 3.0
 #: ``heuristics.warm_start``: at most this many rounds, within this share of the budget left, a round
@@ -389,7 +390,7 @@ class Portfolio:
             if done is not None:
                 return done
             if self.guide is not None:
-                self.round_lp(least=FEASIBILITY_ROUNDING, wall=FEASIBILITY_WALL)
+                self.round_lp(least=FEASIBILITY_ROUNDING, wall=FEASIBILITY_ROUNDING)
         if self.best_x is None:
             done = self.phase("feasibility", self.find_feasible)
             if done is not None:
@@ -441,7 +442,7 @@ class Portfolio:
             stats["lp_skipped_charge_s"] = round(charge, 3)
             return None
         lp_started = time.perf_counter()
-        wall = max(self.wall_left(), FEASIBILITY_WALL) if force else max(0.1, self.wall_left())
+        wall = max(self.wall_left(), FEASIBILITY_LP) if force else max(0.1, self.wall_left())
         lp_value, lp_margin, marginals = bounds.lp_solve(target, time_limit=wall)
         stats["lp_s"] = round(time.perf_counter() - lp_started, 3)
         self.budget -= charge

@@ -87,11 +87,16 @@ class BuildOptions:
     ``expand_scans``: plan a scan's body once (``False``: a scan is one op that
     falls back to replicating its operands, as before scan support; kept for
     comparison). ``uneven``: offer rule strategies that split a factor unevenly
-    (``False``: even splits only, as before uneven support).
+    (``False``: even splits only, as before uneven support). ``kept_layouts``:
+    under a memory limit, count the layouts the reshard cache keeps for an
+    argument's next read (``ProblemBuilder.add_kept_layouts``); off by default:
+    the solver's heuristic starts find no valid assignment on such problems
+    as often, and its feasibility resort then runs far past the time limit.
     """
 
     expand_scans: bool = True
     uneven: bool = True
+    kept_layouts: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -508,7 +513,7 @@ class ProblemBuilder:
         self.add_ops(self.graph, (), 1.0, None, "")
         self.add_outputs(out_pins)
         self.add_ties(ties)
-        if memory_limit is not None:
+        if memory_limit is not None and self.options.kept_layouts:
             self.add_kept_layouts()
         self.share_merged_latency()
         problem = Problem(

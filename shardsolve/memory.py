@@ -47,8 +47,9 @@ axes than its target needs, then a cut, keeps the whole gathered value),
 which an edge rather than a node decides, and a layout the reshard cache
 keeps for later reads of an op's result. Such a layout of an argument (an
 FSDP weight gathered for the forward pass and kept for the backward) is
-counted under a memory limit (``build.ProblemBuilder.add_kept_layouts``, up
-to the argument's next read). So ``peak_memory`` is at most the problem's
+counted under a memory limit where ``build.BuildOptions.kept_layouts`` asks
+for it (``build.ProblemBuilder.add_kept_layouts``, up to the argument's next
+read; off by default). So ``peak_memory`` is at most the problem's
 peak but where one of those buffers is at the peak: there a plan solved
 under a limit can compile over it.
 """

@@ -19,7 +19,7 @@ from jax.sharding import PartitionSpec as P
 
 import shardsolve
 from shardsolve import planner
-from shardsolve.build import build_problem
+from shardsolve.build import BuildOptions, build_problem
 from shardsolve.graph import Graph
 from shardsolve.hlo import compiled_memory
 from shardsolve.mesh import MeshSpec
@@ -129,8 +129,11 @@ def test_layouts_the_reshard_cache_keeps_are_in_the_bound():
     mesh = MeshSpec.parse(MESH)
     graph = _graph(step, *args)
     pins_in, pins_out = [(None, "")] * len(graph.inputs), [(None, "")] * len(graph.outputs)
-    built = build_problem(graph, mesh, pins_in, pins_out, float(1 << 30))
-    unlimited = build_problem(graph, mesh, pins_in, pins_out, None)
+    kept_layouts = BuildOptions(kept_layouts=True)
+    built = build_problem(graph, mesh, pins_in, pins_out, float(1 << 30), options=kept_layouts)
+    unlimited = build_problem(graph, mesh, pins_in, pins_out, None, options=kept_layouts)
+    default = build_problem(graph, mesh, pins_in, pins_out, float(1 << 30))
+    assert not any(info.kind == "kept" for info in default.nodes)  # an option (see ``BuildOptions``)
     assert not any(info.kind == "kept" for info in unlimited.nodes)  # nothing to hold without a limit
     problem = built.problem
     edges = {(e.u, e.v): e.costs for e in problem.edges}
