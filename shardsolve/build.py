@@ -685,20 +685,21 @@ class ProblemBuilder:
         counted by ``memory.peak_memory``, not by the bound).
         """
         runs = runs_in(self.graph)
-        by_value: dict[int, list[tuple[int, Read]]] = {}
-        for r in self.reads:
-            if r.consumer is not None:
-                by_value.setdefault(r.value, []).append((runs[r.consumer] + 1, r))
-        shardings, mesh, values = self.tables.shardings, self.mesh, self.graph.values
         arguments = set(self.graph.inputs)
-        for x, reads in by_value.items():
+        by_argument: dict[int, list[tuple[int, Read]]] = {}
+        for r in self.reads:
+            if r.consumer is not None and r.value in arguments:
+                by_argument.setdefault(r.value, []).append((runs[r.consumer] + 1, r))
+        shardings, mesh, values = self.tables.shardings, self.mesh, self.graph.values
+        for x, reads in by_argument.items():
             steps = sorted({step for step, _ in reads})
-            if len(steps) < 2 or x not in arguments:
+            if len(steps) < 2:
                 continue
             value = values[x]
             src = self.ids_at[((), x)]
             src_ids = np.unique(src)
             src_bytes = {int(i): shardings[i].local_bytes(value.shape, value.itemsize, mesh) for i in src_ids}
+            src_row = np.searchsorted(src_ids, src)  # the producer's layout, per strategy
             for step, r in reads:
                 following = steps[bisect.bisect_right(steps, step)] if step < steps[-1] else None
                 if following is None or following <= step + 1:
@@ -720,8 +721,8 @@ class ProblemBuilder:
                 reader = np.full((3 * n, len(r.dst)), FORBIDDEN)
                 for block in range(3):
                     reader[block * n + at, np.arange(len(r.dst))] = 0.0
-                self.add_edge(aux, r.producer, np.concatenate([  # the producer's layout, per strategy
-                    np.where(kept[np.searchsorted(src_ids, src)].T, FORBIDDEN, 0.0), np.zeros((2 * n, len(src)))]))
+                self.add_edge(aux, r.producer, np.concatenate([
+                    np.where(kept[src_row].T, FORBIDDEN, 0.0), np.zeros((2 * n, len(src)))]))
                 self.add_edge(aux, r.to, reader)
                 for _, later in (read for read in reads if read[0] == following):
                     same = layouts[:, None] == later.dst[None, :]  # (layouts, the later reader's strategies)

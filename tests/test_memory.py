@@ -56,11 +56,20 @@ def _sgd_step(params, x):
     return jax.tree_util.tree_map(lambda p, g: p - 0.1 * g, params, grads)
 
 
+def _two_layer_loss(x, w1, w2):
+    h = jax.nn.relu(x @ w1)
+    return jnp.mean((h @ w2) ** 2)
+
+
+_two_layer_grad = jax.grad(_two_layer_loss, argnums=(1, 2))  # w2 is read forward, and backward for h's gradient
+
 POOL_ARGS = (jax.ShapeDtypeStruct((16, 64, 64, 32), F32), jax.ShapeDtypeStruct((16, 32, 32, 32), F32))
 SCATTER_ARGS = (jax.ShapeDtypeStruct((2048,), jnp.int32), jax.ShapeDtypeStruct((2048, 256), F32))
 SGD_ARGS = ({"w1": jax.ShapeDtypeStruct((1024, 4096), F32), "w2": jax.ShapeDtypeStruct((4096, 1024), F32)},
             jax.ShapeDtypeStruct((64, 1024), F32))
 LAST_ARGS = (jax.ShapeDtypeStruct((1024, 64), F32), jax.ShapeDtypeStruct((64, 1024), F32))
+TWO_LAYER_ARGS = (jax.ShapeDtypeStruct((256, 512), F32), jax.ShapeDtypeStruct((512, 1024), F32),
+                  jax.ShapeDtypeStruct((1024, 512), F32))
 
 
 def _graph(fun, *args) -> Graph:
@@ -91,13 +100,7 @@ def test_planned_peak_is_the_compiled_peak(fun, args, pins):
 
 
 def test_peak_is_within_the_bound_the_solver_holds(monkeypatch):
-    def loss(x, w1, w2):
-        h = jax.nn.relu(x @ w1)
-        return jnp.mean((h @ w2) ** 2)
-
-    step = jax.grad(loss, argnums=(1, 2))
-    args = (jax.ShapeDtypeStruct((256, 512), F32), jax.ShapeDtypeStruct((512, 1024), F32),
-            jax.ShapeDtypeStruct((1024, 512), F32))
+    step, args = _two_layer_grad, TWO_LAYER_ARGS
     solved = []
     to_plan = planner.to_plan
 
@@ -119,15 +122,8 @@ def test_layouts_the_reshard_cache_keeps_are_in_the_bound():
     """Under a memory limit, an argument read in another layout than its own, and read next in that layout
     too, keeps that layout until then (the reshard cache keeps it, and so does the compiled program): the
     problem charges exactly its bytes for every (argument, reader, next reader) choice of strategies."""
-    def loss(x, w1, w2):
-        h = jax.nn.relu(x @ w1)
-        return jnp.mean((h @ w2) ** 2)
-
-    step = jax.grad(loss, argnums=(1, 2))
-    args = (jax.ShapeDtypeStruct((256, 512), F32), jax.ShapeDtypeStruct((512, 1024), F32),
-            jax.ShapeDtypeStruct((1024, 512), F32))
     mesh = MeshSpec.parse(MESH)
-    graph = _graph(step, *args)
+    graph = _graph(_two_layer_grad, *TWO_LAYER_ARGS)
     pins_in, pins_out = [(None, "")] * len(graph.inputs), [(None, "")] * len(graph.outputs)
     kept_layouts = BuildOptions(kept_layouts=True)
     built = build_problem(graph, mesh, pins_in, pins_out, float(1 << 30), options=kept_layouts)
@@ -144,7 +140,7 @@ def test_layouts_the_reshard_cache_keeps_are_in_the_bound():
     for k in kept:
         x = built.nodes[k].ref
         value = graph.values[x]
-        producer = built.value_node[x] if x in built.value_node else built.op_node[value.producer]
+        producer = built.value_node[x]  # an argument's node
         (reader, later) = sorted(v for (u, v) in edges if u == k and v != producer)  # one next read here
         operand = graph.ops[built.nodes[reader].ref].inputs.index(x)
         following = graph.ops[built.nodes[later].ref].inputs.index(x)
