@@ -50,6 +50,7 @@ not grow with its caller's heap.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import math
 import time
@@ -62,7 +63,7 @@ from shardsolve.encodings.flat import (CHARGE_PER_ITEM, Flat, evaluate, evaluati
                                        subproblem, sweep_charge)
 from shardsolve.encodings.presolve import Reduced, reduce
 from shardsolve.errors import InfeasibleError, Interrupted, ShardsolveError
-from shardsolve.problem import Problem, Solution
+from shardsolve.problem import MEMORY_LIMIT_LABEL, Problem, Solution
 
 __all__ = ["solve", "explain_infeasible", "Portfolio", "DEFAULT_TIME_LIMIT"]
 
@@ -171,6 +172,11 @@ def frozen_heap() -> Iterator[None]:
 
 #: Largest problem ``explain_infeasible`` hands to z3 (node strategies).
 EXPLAIN_MAX_STRATEGIES = 20_000
+#: z3's checks for the conflict of an infeasible answer take at most the wall-clock net the solve has left, and
+#: at least this many seconds (a short net still names a conflict found in a second or two);
+#: ``explain_infeasible`` called on its own, at most ``EXPLAIN_S``.
+EXPLAIN_MIN_S = 2.0
+EXPLAIN_S = 60.0
 
 Progress = Callable[[str, float, float], None]
 
@@ -212,6 +218,7 @@ def solve(
     incumbent: dict | None = None,
     wall_limit: float | None = None,
     start: Sequence[int] | None = None,
+    explain: bool = True,
 ) -> Solution:
     """Pick one strategy per node, minimising cost under pins and the memory limit.
 
@@ -226,6 +233,9 @@ def solve(
     without the memory limit, say): made valid where it is not (memory first,
     then forbidden pairs, as the solver's own starts are) and kept as a
     start, so a valid ``start`` is never beaten by the answer.
+    ``explain=False``: an infeasible answer comes without its ``conflict``
+    (z3's search for it, within the net left, is skipped), for callers that
+    do not report it.
 
     Determinism and wall time trade off. The budget is calibrated so that an
     idle machine spends it in about ``time_limit`` seconds; a run that does
@@ -258,28 +268,44 @@ def solve(
     try:
         reduced = reduce(problem)
     except InfeasibleError:
-        return infeasible_solution(problem, started, {"reduced": False})
+        net = wall_net(budget) if wall_limit is None else wall_limit
+        return infeasible_solution(problem, started, {"reduced": False}, net - (time.perf_counter() - started)
+                                   if explain else None)
     with frozen_heap():
         return Portfolio(problem, reduced, budget, started, seed=seed, workers=workers, progress=progress,
-                         incumbent=incumbent, wall_limit=wall_limit, start=start).run()
+                         incumbent=incumbent, wall_limit=wall_limit, start=start, explain=explain).run()
 
 
-def infeasible_solution(problem: Problem, started: float, stats: dict) -> Solution:
-    """``status="infeasible"``, with the conflicting constraints where z3 can name them."""
-    conflict = explain_infeasible(problem) if problem.num_strategies <= EXPLAIN_MAX_STRATEGIES else ()
+def infeasible_solution(problem: Problem, started: float, stats: dict, explain_s: float | None) -> Solution:
+    """``status="infeasible"``, with the conflicting constraints where z3 names them in ``explain_s`` seconds
+    (at least ``EXPLAIN_MIN_S``; None: not looked for)."""
+    conflict = () if explain_s is None else explain_infeasible(problem, max(EXPLAIN_MIN_S, explain_s))
     return Solution((), math.inf, math.inf, "infeasible", time.perf_counter() - started, tuple(conflict), stats)
 
 
-def explain_infeasible(problem: Problem) -> tuple[str, ...]:
+def explain_infeasible(problem: Problem, seconds: float = EXPLAIN_S) -> tuple[str, ...]:
     """Labels of a minimal set of pins, plus ``MEMORY_LIMIT_LABEL`` when the memory limit is part of it.
 
-    Empty when the problem is feasible, or infeasible without any pin or the
-    memory limit (its forbidden costs alone conflict).
+    Empty when the problem is feasible, infeasible without any pin or the
+    memory limit (its forbidden costs alone conflict), larger than
+    ``EXPLAIN_MAX_STRATEGIES``, or where z3's checks take more than
+    ``seconds`` (a set that conflicts but may not be minimal where only
+    their shrinking does).
     """
+    if problem.num_strategies > EXPLAIN_MAX_STRATEGIES:
+        return ()
     # z3 (0.3 s to load) is loaded only when a conflict is to be explained.
     from shardsolve.encodings import smt
 
-    return smt.explain(problem)
+    if problem.usage_limit is not None:
+        # The common case at once: the reductions prove the limit too tight with no pin at all (every node at
+        # its least usage already over it), so the memory limit alone conflicts where the rest is satisfiable.
+        try:
+            reduce(dataclasses.replace(problem, pins=()))
+        except InfeasibleError:
+            bare = dataclasses.replace(problem, pins=(), usage_limit=None)
+            return (MEMORY_LIMIT_LABEL,) if smt.satisfiable(bare, timeout_ms=int(1000 * seconds)) else ()
+    return smt.explain(problem, timeout_ms=int(1000 * seconds))
 
 
 class Portfolio:
@@ -293,8 +319,9 @@ class Portfolio:
 
     def __init__(self, problem: Problem, reduced: Reduced, budget: float, started: float, *, seed: int = 0,
                  workers: int | None = None, progress: Progress | None = None, incumbent: dict | None = None,
-                 wall_limit: float | None = None, start: Sequence[int] | None = None):
+                 wall_limit: float | None = None, start: Sequence[int] | None = None, explain: bool = True):
         self.problem = problem
+        self.explain = explain  # an infeasible answer looks for its conflict
         self.start = None if start is None else reduced.project(start)  # -1: a strategy the reductions dropped
         self.incumbent = incumbent  # "solution": the best so far as an interrupted Solution (see interruptible)
         self.reduced = reduced
@@ -365,7 +392,7 @@ class Portfolio:
                         stats)
 
     def infeasible(self) -> Solution:
-        return infeasible_solution(self.problem, self.started, self.stats)
+        return infeasible_solution(self.problem, self.started, self.stats, self.wall_left() if self.explain else None)
 
     # -- the phases --------------------------------------------------------------------------------
 

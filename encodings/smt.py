@@ -32,7 +32,7 @@ import z3
 
 from shardsolve.problem import FORBIDDEN, MEMORY_LIMIT_LABEL, Problem
 
-__all__ = ["SmtModel", "optimise", "explain"]
+__all__ = ["SmtModel", "optimise", "explain", "satisfiable"]
 
 
 def _real(x: float) -> z3.ArithRef:
@@ -99,12 +99,13 @@ class SmtModel:
             return
         m = self._assumption(MEMORY_LIMIT_LABEL)
         usages = [np.asarray(n.usages, dtype=np.float64) for n in self.problem.nodes]
-        integral = float(limit).is_integer() and all(np.all(u == np.round(u)) for u in usages)
+        # whole bytes within a fractional limit (a searched one) are within its floor: the pseudo-Boolean form
+        integral = math.isfinite(limit) and all(np.all(u == np.round(u)) for u in usages)
         for live in _live_sets(self.problem):
             if integral:
                 terms = [(self.b[i][s], int(u)) for i in live for s, u in enumerate(usages[i]) if u]
                 if terms:
-                    self.ctx.add(z3.Implies(m, z3.PbLe(terms, int(limit))))
+                    self.ctx.add(z3.Implies(m, z3.PbLe(terms, math.floor(limit))))
                 elif limit < 0:
                     self.ctx.add(z3.Not(m))
                 continue
@@ -180,21 +181,46 @@ def optimise(problem: Problem, timeout_ms: int = 60_000) -> tuple[tuple[int, ...
     return x, problem.evaluate(x), "unknown" if interrupted else "optimal"
 
 
+def satisfiable(problem: Problem, timeout_ms: int = 60_000) -> bool:
+    """Whether ``problem`` (pins and memory limit included) has a valid assignment, as z3 finds in ``timeout_ms``
+    (False where it does not know)."""
+    model = SmtModel(problem, optimise=False)
+    model.ctx.set("timeout", int(timeout_ms))
+    return model.ctx.check(*model.assumptions.values()) == z3.sat
+
+
 def explain(problem: Problem, timeout_ms: int = 60_000) -> tuple[str, ...]:
-    """Labels of a minimal set of pins (and ``memory_limit``) that cannot hold together; ``()`` if satisfiable."""
+    """Labels of a minimal set of pins (and ``memory_limit``) that cannot hold together; ``()`` if satisfiable.
+
+    ``timeout_ms`` bounds z3's checks together (building the model is not
+    counted): ``()`` where the first checks do not finish in it, z3's core as
+    it is (not minimal) where its shrinking does not.
+    """
     model = SmtModel(problem, optimise=False)
     solver = model.ctx
-    solver.set("timeout", int(timeout_ms))
+    deadline = time.perf_counter() + timeout_ms / 1000
+
+    def check(*assumptions):
+        """``solver.check`` within what is left of the deadline (``unknown`` once it has passed)."""
+        left = int(1000 * (deadline - time.perf_counter()))
+        if left <= 0:
+            return z3.unknown
+        solver.set("timeout", left)
+        return solver.check(*assumptions)
+
     labels = {str(v): k for k, v in model.assumptions.items()}
-    if solver.check(*model.assumptions.values()) != z3.unsat:
+    if check(*model.assumptions.values()) != z3.unsat:
         return ()
     core = [c for c in solver.unsat_core()]
-    if solver.check() == z3.unsat:
-        return ()  # infeasible without any pin or the memory limit: nothing the user can drop
+    if check() != z3.sat:
+        return ()  # infeasible without any pin or the memory limit (nothing the user can drop), or not known
     i = 0
     while i < len(core):
         trial = core[:i] + core[i + 1:]
-        if solver.check(*trial) == z3.unsat:
+        verdict = check(*trial)
+        if verdict == z3.unknown:
+            break  # out of time: the core so far conflicts, though it may not be minimal
+        if verdict == z3.unsat:
             core = trial  # still unsat without core[i]: it is not needed
         else:
             i += 1

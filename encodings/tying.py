@@ -383,7 +383,7 @@ def untied_bound(
                   for e, t in zip(problem.edges, kept.tables))
     pruned = Problem(nodes, edges, problem.usage_limit, problem.pins, problem.name)
     try:
-        sol = encodings.solve(pruned, time_limit=left, seed=seed, wall_limit=wall_left)
+        sol = encodings.solve(pruned, time_limit=left, seed=seed, wall_limit=wall_left, explain=False)
     except InfeasibleError:
         return upper, "trws+pruned", None  # no assignment is cheaper than ``upper``
     if sol.status == "infeasible":
@@ -402,7 +402,7 @@ def solve_tied_problem(problem: Problem, time_limit, seed: int, progress,
     the tied optimum before any LP (``Portfolio.trws_probe``).
     """
     inner = encodings.solve(problem, time_limit=time_limit, seed=seed, progress=progress, wall_limit=wall_limit,
-                            start=start)
+                            start=start, explain=False)
     if inner.status not in ("optimal", "feasible") or not inner.assignment:
         return None
     return inner

@@ -433,7 +433,9 @@ def _refuse_unsolved(built: Built, solution, limit: float | None, detail: str = 
         raise ShardsolveError(
             "the solver found no plan within the time limit; raise --time-limit or relax the memory limit"
         )
-    conflict = solution.conflict or encodings.explain_infeasible(built.problem)
+    net = _NET.get()  # the conflict within what the call's net has left (``portfolio.EXPLAIN_MIN_S`` at least)
+    seconds = portfolio.EXPLAIN_S if net is None else max(portfolio.EXPLAIN_MIN_S, net.left())
+    conflict = solution.conflict or encodings.explain_infeasible(built.problem, seconds)
     reason = "; ".join(conflict) if conflict else "the annotations and the memory limit"
     hint = f" (memory limit {format_bytes(limit)} per device{detail})" if limit is not None else ""
     raise InfeasibleError(f"no plan satisfies {reason}{hint}; drop or change one of these constraints", conflict)
@@ -703,7 +705,7 @@ def search_once(built: Built, time_limit: float | None, seed: int, tie: bool, sa
                 left = time_limit if time_limit is None or spent < 0.25 * time_limit else max(0.5, time_limit - spent)
                 solution = encodings.solve(built.problem, time_limit=left, seed=seed, progress=solver_progress,
                                            wall_limit=None if wall is None else max(0.0, wall - spent),
-                                           start=start)
+                                           start=start, explain=False)  # ``_refuse_unsolved`` explains
         solution = _polished(built, solution)  # inside the net: its time is the solve's
     finally:
         if net is not None:

@@ -112,6 +112,26 @@ def test_unsatisfiable_memory_limit_is_explained():
         shardsolve.plan(_mlp_step, params, x, mesh="data=2,model=4", in_shardings=(P(), P()), memory_limit=1024)
 
 
+def test_an_infeasible_limit_is_explained_once(monkeypatch):
+    """The solves under the limit (tied, untied, hinted) look for no conflict: the error looks once."""
+    from shardsolve import encodings
+    from shardsolve.encodings import portfolio
+
+    explained, explain = [], portfolio.explain_infeasible
+
+    def counted(problem, *args, **kwargs):
+        explained.append(problem.usage_limit)
+        return explain(problem, *args, **kwargs)
+
+    monkeypatch.setattr(portfolio, "explain_infeasible", counted)
+    monkeypatch.setattr(encodings, "explain_infeasible", counted)
+    params, x = _mlp_args()
+    with pytest.raises(InfeasibleError, match="memory_limit"):
+        shardsolve.plan(_mlp_step, params, x, mesh="data=2,model=4", in_shardings=(P(), P()), memory_limit=1024,
+                        time_limit=5.0)
+    assert len(explained) == 1
+
+
 def test_out_shardings_are_respected():
     def f(x):
         return jnp.sin(x) * 2

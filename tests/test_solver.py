@@ -236,6 +236,44 @@ def test_memory_alone_can_be_the_conflict():
     assert conflict == (MEMORY_LIMIT_LABEL,)
 
 
+def test_memory_alone_is_named_without_the_whole_model(monkeypatch):
+    """Least usage over the limit with no pin at all: the memory limit alone, without z3's core search."""
+    def whole(*args, **kwargs):
+        raise AssertionError("the core search ran")
+
+    monkeypatch.setattr(smt, "explain", whole)
+    pins = (Pin(0, (0,), "w replicated"), Pin(1, (1,), "y sharded"))
+    assert explain_infeasible(_two_nodes(limit=1.5, pins=pins)) == (MEMORY_LIMIT_LABEL,)
+
+
+def test_a_fractional_limit_is_held_on_whole_bytes():
+    """A searched limit (not whole bytes) explains as its floor does: 5.5 conflicts with the same pins as 5."""
+    pins = (Pin(0, (0,), "w replicated"), Pin(1, (0,), "y replicated"))
+    conflict = explain_infeasible(_two_nodes(limit=5.5, pins=pins))
+    assert set(conflict) == {"w replicated", "y replicated", MEMORY_LIMIT_LABEL}
+    assert explain_infeasible(_two_nodes(limit=5.5)) == ()
+
+
+def test_no_time_to_explain_names_nothing():
+    """z3 out of time gives no conflict rather than a guessed one."""
+    pins = (Pin(0, (0,), "in_shardings[0] = P()"), Pin(0, (1,), "in_shardings[0] = P('x')"))
+    assert explain_infeasible(_two_nodes(pins=pins), seconds=0.0) == ()
+    assert set(explain_infeasible(_two_nodes(pins=pins))) == {"in_shardings[0] = P()", "in_shardings[0] = P('x')"}
+
+
+def test_an_unexplained_infeasible_answer_skips_z3(monkeypatch):
+    """``solve(explain=False)``: infeasible, without a conflict and without z3."""
+    def whole(*args, **kwargs):
+        raise AssertionError("z3 ran")
+
+    monkeypatch.setattr(smt, "explain", whole)
+    monkeypatch.setattr(smt, "satisfiable", whole)
+    pins = (Pin(0, (0,), "in_shardings[0] = P()"), Pin(0, (1,), "in_shardings[0] = P('x')"))
+    for problem in (_two_nodes(pins=pins), _two_nodes(limit=1.5)):
+        sol = solve(problem, explain=False)
+        assert sol.status == "infeasible" and sol.conflict == ()
+
+
 def test_feasible_problem_has_no_conflict():
     assert explain_infeasible(_two_nodes(limit=5.0)) == ()
 
