@@ -108,9 +108,9 @@ LNS_CHUNKS = 3
 #: of the budget left.
 MOVE_ROUNDS = 200
 MOVE_SHARE = 0.05
-#: Wall seconds the forbidden-pair repair of ``find_feasible`` may take even where the safety net is spent: with
-#: nothing valid yet, a valid answer comes first (CP-SAT's feasibility model, the next resort, takes minutes to
-#: build on the large instances).
+#: Wall seconds the forbidden-pair repair of ``find_feasible`` may take even where the solver's own safety net
+#: is spent (a caller's ``wall_limit`` is held): with nothing valid yet, a valid answer comes first (CP-SAT's
+#: feasibility model, the next resort, takes minutes to build on the large instances).
 FEASIBILITY_WALL = 60.0
 #: With nothing valid after the starts, the LP left out for the budget runs past it where it charges at most
 #: ``FEASIBILITY_LP`` seconds of work (a small problem under a tight memory limit, solved in a share of a
@@ -225,7 +225,11 @@ def solve(
     ``time_limit``: deterministic work budget in seconds (default 30); ``wall_limit``:
     the wall-clock safety net in seconds from the call (default
     ``1.05 * time_limit + 1``; a caller running several solves in one limit
-    passes what is left of its own net); ``seed``:
+    passes what is left of its own net). With nothing valid found, the
+    default net gives way to a first valid answer (``FEASIBILITY_WALL``,
+    ``FEASIBILITY_LP``, ``FEASIBILITY_ROUNDING`` seconds past it); a
+    ``wall_limit`` passed is held (its caller has other answers, or time
+    to share). ``seed``:
     the random seed of every randomised step; ``workers``: CP-SAT threads for
     whole-model solves (default 1; results stay deterministic either way);
     ``progress(message, best_cost, lower_bound)`` is called as the search improves.
@@ -331,6 +335,7 @@ class Portfolio:
         self.report = progress or _quiet
         self.total_budget = budget
         self.wall_limit = wall_net(budget) if wall_limit is None else max(0.0, float(wall_limit))
+        self.held = wall_limit is not None  # a caller's net: no step runs past it (``past_net``)
         self.stats: dict = dict(reduced.stats)
         self.stats["reduce_s"] = round(time.perf_counter() - started, 3)
         self.budget = budget - reduced.stats.get("reduce_deterministic_s", 0.0)  # checking and reducing the input
@@ -353,6 +358,11 @@ class Portfolio:
 
     def wall_left(self) -> float:
         return max(0.0, self.wall_limit - (time.perf_counter() - self.started))
+
+    def past_net(self, seconds: float) -> float:
+        """The wall seconds of a step that looks for a first valid answer: at least ``seconds``, past the net,
+        where the net is the solver's own; a caller's ``wall_limit`` is held."""
+        return self.wall_left() if self.held else max(self.wall_left(), seconds)
 
     def shifted(self, message: str, best: float, bound: float) -> None:
         """``progress`` in the original problem's units."""
@@ -469,7 +479,7 @@ class Portfolio:
             stats["lp_skipped_charge_s"] = round(charge, 3)
             return None
         lp_started = time.perf_counter()
-        wall = max(self.wall_left(), FEASIBILITY_LP) if force else max(0.1, self.wall_left())
+        wall = self.past_net(FEASIBILITY_LP) if force else max(0.1, self.wall_left())
         lp_value, lp_margin, marginals = bounds.lp_solve(target, time_limit=wall)
         stats["lp_s"] = round(time.perf_counter() - lp_started, 3)
         self.budget -= charge
@@ -548,7 +558,7 @@ class Portfolio:
         found = self.best_x is not None  # else a valid answer first, past the budget and the net if need be
         result = cpsat.solve_cpsat(flat, hint=self.best_x, time_limit=self.budget if found else max(self.budget, 0.5),
                                    seed=self.seed, workers=self.threads, progress=self.shifted,
-                                   wall_limit=self.wall_left() if found else max(self.wall_left(), FEASIBILITY_WALL))
+                                   wall_limit=self.wall_left() if found else self.past_net(FEASIBILITY_WALL))
         self.stats.update(result.stats)
         if result.status == "infeasible":
             return self.infeasible()
@@ -614,7 +624,7 @@ class Portfolio:
         if len(free_idx):
             sub = subproblem(flat, free_idx, guide)
             y, _, _, used = cpsat.solve_neighbourhood(sub, guide[free_idx], min(max(0.2 * self.budget, least), 20.0),
-                                                      self.seed, max(self.wall_left(), wall))
+                                                      self.seed, self.past_net(wall))
             self.budget -= used
             if y is not None:
                 x_r = guide.copy()
@@ -640,7 +650,7 @@ class Portfolio:
         start = heuristics.icm(soft, heuristics.least_usage(flat), sweeps=3)
         self.budget -= 3 * CHARGE_PER_ITEM * (flat.n + len(flat.tables))
         start, used, repair_stats = search.repair_forbidden(  # a valid answer first: past the net if need be
-            flat, start, budget=0.5 * self.budget, seed=seed, wall_limit=max(self.wall_left(), FEASIBILITY_WALL),
+            flat, start, budget=0.5 * self.budget, seed=seed, wall_limit=self.past_net(FEASIBILITY_WALL),
         )
         self.budget -= used
         stats.update(repair_stats)
@@ -668,8 +678,8 @@ class Portfolio:
         flat = self.flat
         strategies = sum(len(c) for c in flat.costs)
         medium = self.decision <= EXACT_NODES and strategies <= EXACT_STRATEGIES
-        if not (medium or (self.best_x is None and flat.n <= LARGE_NODES)):
-            return None
+        if not (medium or (self.best_x is None and flat.n <= LARGE_NODES)) or self.wall_left() <= 0:
+            return None  # (with the net spent, CP-SAT would stop as soon as the model is built)
         found = self.best_x is not None
         share = 0.1 * self.budget if found else max(1.0, 0.5 * self.budget)
         if found and share < WHOLE_MIN:  # a start is in hand and the budget has no room for the model

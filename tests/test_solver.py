@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import time
 from pathlib import Path
 
 import numpy as np
@@ -497,6 +498,24 @@ def test_feasibility_search_when_repair_fails(monkeypatch):
     assert sol.stats["feasibility_status"] in ("FEASIBLE", "OPTIMAL")
     assert sol.status in ("optimal", "feasible")
     assert math.isfinite(problem.evaluate(sol.assignment))
+
+
+def test_a_callers_net_is_held_by_the_feasibility_resorts(monkeypatch):
+    """With nothing valid yet, the forbidden-pair repair runs past the solver's own net (``FEASIBILITY_WALL``),
+    but within a ``wall_limit`` its caller passed."""
+    walls, repair = [], search.repair_forbidden
+
+    def recorded(flat, x, **kw):
+        walls.append(kw["wall_limit"])
+        return repair(flat, x, **kw)
+
+    monkeypatch.setattr(search, "repair_forbidden", recorded)
+    problem, _ = _planted_problem(200, seed=4)
+    for wall_limit in (None, 0.5):
+        run = portfolio.Portfolio(problem, reduce(problem), 2.0, time.perf_counter(), wall_limit=wall_limit)
+        run.find_feasible()
+    assert walls[0] >= portfolio.FEASIBILITY_WALL
+    assert walls[1] <= 0.5
 
 
 def test_feasibility_search_proves_infeasibility():
