@@ -488,9 +488,10 @@ def _within_compiled_memory(graph: Graph, built: Built, solution, mesh: MeshSpec
     see (reshard temporaries, XLA's own buffers), and not in proportion, so the
     limit the solver sees is searched: first ``internal`` (``limit`` raised by
     what the model over-counts on the plan without the limit, as compiled;
-    ``limit`` itself without that plan), then the compiled overshoot taken
-    off, then halving the interval between the
-    largest limit known to fit (or to be infeasible in the model) and the
+    ``limit`` itself without that plan), then, while no plan fits, each
+    plan's compiled overshoot taken off, then halving the interval between the
+    largest limit known to fit (or to be infeasible in the model; at least
+    ``_allocated_floor``, below which nothing fits) and the
     smallest known to be too loose (where the solver found a plan under
     ``limit``, at first the planned peak of the plan without the limit, which
     compiles over it), for at most ``MEMORY_ROUNDS`` solves (``time_limit``
@@ -503,6 +504,7 @@ def _within_compiled_memory(graph: Graph, built: Built, solution, mesh: MeshSpec
     """
     best: tuple[Plan, int, tuple[int, ...]] | None = None
     lo, hi, rounds, compiled = 0.0, math.inf, 0, None
+    floor = _allocated_floor(built)  # no plan fits below it
     internal = limit if internal is None else internal  # the limit ``solution`` was solved under
 
     if unlimited is not None and unlimited[1] > limit and _found(solution):
@@ -532,9 +534,12 @@ def _within_compiled_memory(graph: Graph, built: Built, solution, mesh: MeshSpec
                 break
             if math.isinf(hi):  # fits at the limit itself: nothing looser to try
                 break
-            internal = hi - (compiled - limit) if best is None and rounds == 1 and solved else (lo + hi) / 2
-            if internal <= lo:
-                internal = (lo + hi) / 2
+            # While nothing fits, each plan that compiles over takes its overshoot off (halving from below the
+            # last limit undershoots by far where the overshoot is small); then the interval is halved.
+            over = solved and compiled > limit and best is None
+            internal = hi - (compiled - limit) if over else (max(lo, floor) + hi) / 2
+            if internal <= max(lo, floor):
+                internal = (max(lo, floor) + hi) / 2
             why = (f"compiled peak memory {format_bytes(compiled)} is over the limit" if solved and compiled > limit
                    else "no plan under the last limit" if not solved else "looking for a faster plan that fits")
             say(f"{why}: solving again under {format_bytes(internal)} as the model counts it")

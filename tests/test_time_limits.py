@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 
 import jax
@@ -85,6 +86,33 @@ def test_the_solves_of_a_memory_search_share_the_time_limit(monkeypatch):
     if plan is not None:
         assert dict(plan.stats)["memory_rounds"] == len(limits) - under
     assert sum(limits) <= 8.0
+
+
+def test_a_small_compiled_overshoot_tightens_the_searched_limit_by_as_much(monkeypatch):
+    """A program that compiles a few KiB over the limit: the next solve's limit is that much lower, not half (the
+    search halved from zero, and lost its rounds to limits nothing fits); never below the arguments' floor."""
+    solves, search = [], planner.search_once
+
+    def recording(built, *args, **kwargs):
+        solution = search(built, *args, **kwargs)
+        if built.problem.usage_limit is not None:  # the limit, the plan's bound, the arguments' floor
+            solves.append((built.problem.usage_limit, built.problem.peak_usage(solution.assignment),
+                           planner._allocated_floor(built)))
+        return solution
+
+    free = shardsolve.plan(_stack_step, *ARGS, mesh=MESH, in_shardings=(None, P("data")), tie=False)
+    limit = int(0.7 * free.cost.peak_memory)
+    monkeypatch.setattr(planner, "search_once", recording)
+    monkeypatch.setattr(planner, "compiled_peak", lambda plan, args: limit + 4096)  # every program 4 KiB over
+    with pytest.raises(shardsolve.InfeasibleError, match="compiled program fits"):
+        shardsolve.plan(_stack_step, *ARGS, mesh=MESH, in_shardings=(None, P("data")), tie=False, time_limit=8.0,
+                        memory_limit=limit)
+    assert len(solves) == planner.MEMORY_ROUNDS
+    hi = math.inf
+    for (searched, bound, floor), (later, _, _) in zip(solves, solves[1:]):
+        hi = min(hi, searched, bound)  # the least limit known to be too loose
+        expected = hi - 4096 if hi - 4096 > floor else (floor + hi) / 2
+        assert later == pytest.approx(expected), solves
 
 
 def test_the_plan_without_the_limit_is_kept_where_it_fits_as_compiled(monkeypatch):
