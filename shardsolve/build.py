@@ -91,7 +91,9 @@ class BuildOptions:
     under a memory limit, count the layouts the reshard cache keeps for an
     argument's next read (``ProblemBuilder.add_kept_layouts``); off by default:
     the solver's heuristic starts find no valid assignment on such problems
-    as often, and its feasibility resort then runs far past the time limit.
+    as often, and at the expert's memory it plans no faster (Llama small on
+    1x8: 0.68x the expert's step time with it, 1.43x without; GPT-2 small
+    on 1x8: 0.67x and 0.58x).
     """
 
     expand_scans: bool = True

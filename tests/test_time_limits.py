@@ -88,6 +88,28 @@ def test_the_solves_of_a_memory_search_share_the_time_limit(monkeypatch):
     assert sum(limits) <= 8.0
 
 
+def test_small_problems_are_searched_untied_under_a_memory_limit(monkeypatch):
+    """Repeated layers are tied without a memory limit; under one, a problem of at most
+    ``UNTIED_UNDER_LIMIT_NODES`` nodes is searched per layer, a larger one stays tied."""
+    ties, search = [], planner.search_once
+
+    def recording(built, time_limit, seed, tie, *args, **kwargs):
+        ties.append((built.problem.usage_limit is not None, tie))
+        return search(built, time_limit, seed, tie, *args, **kwargs)
+
+    monkeypatch.setattr(planner, "search_once", recording)
+    free = shardsolve.plan(_stack_step, *ARGS, mesh=MESH, in_shardings=(None, P("data")))
+    assert "tying" in dict(free.stats) and ties and all(tie for _, tie in ties)
+    limit = 1.2 * free.cost.peak_memory
+    for nodes, tied in ((planner.UNTIED_UNDER_LIMIT_NODES, False), (0, True)):
+        monkeypatch.setattr(planner, "UNTIED_UNDER_LIMIT_NODES", nodes)
+        ties.clear()
+        shardsolve.plan(_stack_step, *ARGS, mesh=MESH, in_shardings=(None, P("data")), memory_limit=limit,
+                        memory_check="model")
+        assert ties and all(tie == tied for limited, tie in ties if limited), ties
+        assert any(limited for limited, _ in ties)
+
+
 def test_a_small_compiled_overshoot_tightens_the_searched_limit_by_as_much(monkeypatch):
     """A program that compiles a few KiB over the limit: the next solve's limit is that much lower, not half (the
     search halved from zero, and lost its rounds to limits nothing fits); never below the arguments' floor."""
@@ -97,7 +119,7 @@ def test_a_small_compiled_overshoot_tightens_the_searched_limit_by_as_much(monke
         solution = search(built, *args, **kwargs)
         if built.problem.usage_limit is not None:  # the limit, the plan's bound, the arguments' floor
             solves.append((built.problem.usage_limit, built.problem.peak_usage(solution.assignment),
-                           planner._allocated_floor(built)))
+                           planner.allocated_floor(built)))
         return solution
 
     free = shardsolve.plan(_stack_step, *ARGS, mesh=MESH, in_shardings=(None, P("data")), tie=False)
