@@ -39,6 +39,32 @@ def test_a_hinted_plan_is_no_slower_than_the_best_plan_with_those_argument_shard
     assert hinted.in_shardings[1].spec == P("data")  # the user's pin holds
 
 
+def test_the_hinted_search_starts_from_the_plan_without_the_hints(monkeypatch):
+    """The hinted search's first solve starts from the first assignment the search without the hints found (its
+    hinted arguments repaired by the solver), with or without a memory limit, and where that search then finds
+    no plan that fits."""
+    calls, search = [], planner.search_once
+
+    def recording(built, *args, start=None, **kwargs):
+        solution = search(built, *args, start=start, **kwargs)
+        calls.append((len(built.problem.pins) > 1, start, tuple(solution.assignment)))
+        return solution
+
+    monkeypatch.setattr(planner, "search_once", recording)
+    for limit in (None, "1GiB"):
+        calls.clear()
+        shardsolve.plan(_mlp_step, *ARGS, mesh=MESH, in_shardings=BATCH, hints=EXPERT, memory_limit=limit)
+        free = [found for hinted, _, found in calls if not hinted]
+        first_hinted = next(start for hinted, start, _ in calls if hinted)
+        assert free and first_hinted is not None and tuple(first_hinted) in free, calls
+    calls.clear()  # the search without the hints ends in no plan that fits
+    monkeypatch.setattr(planner, "compiled_peak", lambda plan, args: 2**40)  # every plan compiles over
+    with pytest.raises(InfeasibleError):
+        shardsolve.plan(_mlp_step, *ARGS, mesh=MESH, in_shardings=BATCH, hints=EXPERT, memory_limit="1GiB")
+    free = [found for hinted, _, found in calls if not hinted]
+    assert free and any(hinted and start is not None and tuple(start) in free for hinted, start, _ in calls), calls
+
+
 def test_the_hinted_plan_is_kept_where_the_search_without_it_finds_none(monkeypatch):
     """Where the search without the hints ends in ``InfeasibleError``, the hinted plan is the answer, its argument
     shardings the hinted ones; where both fail the first error is raised."""
