@@ -182,8 +182,9 @@ def plan(
     ``None``) leaves, shardings known to be good (an expert's). The problem
     is also solved with the hinted arguments pinned (``HINT_SHARE`` of
     ``time_limit``, under the memory limit and its compiled check as the
-    rest, starting from the plan found without the hints), and that plan is kept where it is faster, or where it is the only
-    one that fits the memory limit: the plan is never slower in the model
+    rest, starting from the plan found without the hints), and that plan is
+    kept where it is faster, or where it is the only one that fits the
+    memory limit: the plan is never slower in the model
     than the best plan with the hinted argument shardings, and no memory
     limit that such a plan meets is called infeasible. ``in_shardings``
     pins win over hints; ``plan.stats`` say whether the hinted plan was
