@@ -9,6 +9,7 @@ limit holds for the compiled program's ``memory_analysis()``.
 
 from __future__ import annotations
 
+import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -202,6 +203,36 @@ def test_gradient_all_reduces_are_priced_merged_as_compiled():
     assert compiled.communication == pytest.approx(plan.cost.communication, rel=1e-6)
     # the solver's price of merging is optimistic, never above what the merged plan pays
     assert plan.cost.objective <= plan.cost.total * (1 + 1e-9)
+
+
+def test_a_limited_solve_prices_the_merges_of_the_plan_it_starts_from(monkeypatch):
+    """Under a memory limit the solver sees one problem, priced with the merges of the plan it starts from
+    (the plan without the limit, which compiles over it): that plan's objective is its step time, where
+    every latency paid would price its merged gradient all-reduces as if each ran alone, and the search
+    would trade them for memory at that rate."""
+    from shardsolve import planner
+
+    params = {"w1": _rand((256, 256)), "b1": _rand((256,), 1), "w2": _rand((256, 64), 2), "b2": _rand((64,), 3)}
+    x, y = _rand((2048, 256), 4), _rand((2048, 64), 5)
+    pins = (None, P("data"), P("data"))
+    free = shardsolve.plan(_data_parallel_gradients, params, x, y, mesh="data=8", in_shardings=pins)
+    assert any(c.merged for c in free.collectives)
+    abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), (params, x, y))
+    free_peak = compiled_memory(free.jit().lower(*abstract).compile()).peak
+    limited, search = [], planner.search_once
+
+    def recording(built, *args, start=None, **kwargs):
+        if built.problem.usage_limit is not None and start is not None:
+            limited.append((built.problem, tuple(start)))
+        return search(built, *args, start=start, **kwargs)
+
+    monkeypatch.setattr(planner, "search_once", recording)
+    plan = shardsolve.plan(_data_parallel_gradients, params, x, y, mesh="data=8", in_shardings=pins,
+                           memory_limit=int(0.9 * free_peak))
+    assert dict(plan.stats)["compiled_peak_memory"] <= 0.9 * free_peak
+    problem, start = limited[0]  # the first limited solve starts from the plan without the limit
+    unlimited = dataclasses.replace(problem, usage_limit=None)
+    assert unlimited.evaluate(start) == pytest.approx(free.cost.total, rel=1e-9)
 
 
 def test_merges_priced_as_the_plan_makes_them_when_optimism_misleads(models_dir):
