@@ -27,7 +27,8 @@
     improve            vectorised group moves (``moves``: every node or small component of forbidden-bearing
                        edges at once, two-node moves, a falling price on usage where memory binds); above
                        400 decisions two sweeps of component descent; then large-neighbourhood search in
-                       three chunks; group moves again after each
+                       three chunks, each going on at the neighbourhood size and step limit the one before
+                       reached; group moves again after each
     --lift--> assignment of the original problem, cost from ``Problem.evaluate``
 
 Each phase is one method of :class:`Portfolio`, which holds the incumbent,
@@ -830,6 +831,7 @@ class Portfolio:
                 self.consider(x, cost)
                 self.report("component descent", self.best_cost + self.offset, self.bound + self.offset)
                 self.group_moves()
+        carried: dict = {}  # the neighbourhood size and step limit, from one chunk to the next
         for chunk in range(LNS_CHUNKS):
             if self.budget <= 0 or self.wall_left() <= 0:
                 break
@@ -839,7 +841,9 @@ class Portfolio:
                 flat, self.best_x, budget=max(0.0, self.budget if last else self.budget / (LNS_CHUNKS - chunk)),
                 seed=self.seed + 1000 * chunk, progress=self.shifted, lower_bound=self.bound,
                 wall_limit=self.wall_left(), guide=self.guide if self.guide is not None else self.priced_guide,
+                size=carried.get("lns_final_size"), step_limit=carried.get("lns_step_limit"),
             )
+            carried = dict(lns_stats)
             lns_stats["lns_s"] = round(time.perf_counter() - wall, 3)
             self.add_stats(lns_stats)
             self.budget -= lns_stats.get("lns_deterministic_s", 0.0)

@@ -629,6 +629,41 @@ def test_component_descent_keeps_validity_and_never_worsens():
     assert np.array_equal(runs[0][0], runs[1][0]) and runs[0][1] == runs[1][1]  # deterministic
 
 
+def test_time_windows_are_drawn_at_the_tightest_memory_segments_most_often():
+    """``segment_weights``: a distribution over the binding segments, the one with the least slack the likeliest."""
+    flat = flatten(_grid_problem(120, seed=3))
+    x = heuristics.least_usage(flat)
+    prof = profile(flat, x)
+    w = search.segment_weights(flat, prof)
+    binding = np.asarray(flat.binding)
+    assert len(w) == len(binding) > 1 and w.sum() == pytest.approx(1.0) and np.all(w > 0)
+    slack = flat.capacity[binding] - prof[binding]
+    assert int(np.argmax(w)) in np.flatnonzero(slack == slack.min())
+    assert np.all(np.diff(w[np.argsort(slack, kind="stable")]) <= 1e-15)  # less slack, no less weight
+
+
+def test_lns_lengthens_its_solves_after_rounds_without_a_gain_and_resumes_there():
+    """From a local optimum at the start's sizes, each round without a gain doubles the step limit (up to
+    ``LNS_MAX_STEP``); a later call given ``size`` and ``step_limit`` starts from them; never worse, deterministic."""
+    problem = _grid_problem(120, seed=3)
+    flat = flatten(problem)
+    start = solve(problem, time_limit=2.0, seed=0)
+    x0 = np.asarray(start.assignment)
+    before = evaluate(flat, x0)
+    runs = [search.lns(flat, x0, budget=3.0, seed=1, size=4.0) for _ in range(2)]
+    x, cost, stats = runs[0]
+    assert cost <= before and cost == evaluate(flat, x)
+    assert np.array_equal(runs[1][0], x) and runs[1][2] == stats  # deterministic
+    assert search.LNS_STEP <= stats["lns_step_limit"] <= search.LNS_MAX_STEP
+    if stats["lns_improvements"] == 0:  # every round found nothing: the limit doubled once a round
+        assert not np.any([not np.isfinite(t).all() for t in flat.tables])
+        rounds = stats["lns_steps"] // 3  # a round: a ball, a time window, a node drawn by excess cost
+        assert stats["lns_step_limit"] == min(search.LNS_MAX_STEP, search.LNS_STEP * 2 ** rounds)
+    _, _, resumed = search.lns(flat, x, budget=0.5, seed=2, size=stats["lns_final_size"],
+                               step_limit=search.LNS_MAX_STEP)
+    assert resumed["lns_step_limit"] == search.LNS_MAX_STEP
+
+
 def test_the_lp_runs_only_where_its_charge_fits_the_budget(monkeypatch):
     """The LP's charge (per variable) decides whether it runs, never the clock; either way the answer is valid."""
     monkeypatch.setattr(portfolio, "PROBE_MIN_DENSITY", 2.0)  # no TRW-S probe: the LP is next
