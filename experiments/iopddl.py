@@ -1,6 +1,6 @@
 """Solve the IOPDDL contest instances and compare with the contest's best known costs.
 
-    python experiments/iopddl.py                   # every instance at 120 s (the contest's goal in issue 10)
+    python experiments/iopddl.py                   # every instance at 120 s, the goal's limit
     python experiments/iopddl.py --time-limit 10 --instances B G
 
 Prints a table (sizes before and after reductions, cost, best known, ratio,
