@@ -53,7 +53,8 @@ from ortools.sat.python import cp_model
 
 from shardsolve.encodings.flat import Flat, evaluate, prune
 
-__all__ = ["CpSatResult", "CpSatEncoding", "solve_cpsat", "solve_neighbourhood", "solve_feasibility", "reduce_table"]
+__all__ = ["CpSatResult", "CpSatEncoding", "solve_cpsat", "solve_neighbourhood", "solve_with_rows", "solve_feasibility",
+           "reduce_table"]
 
 #: The reference cost maps to about this many integer units. Larger scales (1e12)
 #: made CP-SAT 9.15's presolve return a wrong "optimal" on small random models
@@ -404,6 +405,35 @@ def solve_neighbourhood(flat: Flat, hint: np.ndarray, limit: float, seed: int,
         x = np.array([m[s] for m, s in zip(maps, x)], dtype=np.int64)
         return x, evaluate(full, x), status == cp_model.OPTIMAL, used
     return None, math.inf, False, used
+
+
+def solve_with_rows(flat: Flat, hint: np.ndarray, rows: np.ndarray, rhs: np.ndarray, limit: float, seed: int,
+                    wall_limit: float | None = None) -> tuple[np.ndarray | None, float, bool, float, float]:
+    """``solve_neighbourhood`` (without its pruning) with extra linear constraints ``rows @ b <= rhs``; returns
+    (assignment or None, its cost, proven optimal, work, CP-SAT's certified lower bound or -inf).
+
+    ``b`` is every node's strategy indicator, node after node (``rows`` has one column per strategy of
+    ``flat``, integers). The memory limit over groups (``grouped``) comes in this way: a group's usage
+    at a segment is not one interval's, so it does not fit ``Flat``'s memory model.
+    """
+    encoding = CpSatEncoding(flat, evaluate(flat, hint))
+    encoding.add_hint(hint)
+    flat_vars = [v for xs in encoding.x for v in xs]
+    for row, bound in zip(rows, rhs):
+        nz = np.flatnonzero(row)
+        encoding.size += len(nz)
+        if len(nz):
+            encoding.model.add(cp_model.LinearExpr.weighted_sum([flat_vars[k] for k in nz],
+                                                                 [int(row[k]) for k in nz]) <= int(bound))
+        elif bound < 0:
+            encoding.model.add_bool_or([])
+    solver = _neighbourhood_solver(limit, seed, wall_limit)
+    status = solver.solve(encoding.model)
+    used = NEIGHBOURHOOD_FACTOR * solver.deterministic_time + CHARGE_PER_STEP + CHARGE_PER_TERM * encoding.size
+    if status in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        x = encoding.decode(solver)
+        return x, evaluate(flat, x), status == cp_model.OPTIMAL, used, encoding.bound(solver.best_objective_bound)
+    return None, math.inf, False, used, -math.inf
 
 
 def solve_feasibility(flat: Flat, hint: np.ndarray, limit: float, seed: int,

@@ -25,7 +25,9 @@
     certify            no LP and no prices: TRW-S message passing, memory relaxed, for a share of the budget
                        (unless the probe ran as many passes), and min-sum diffusion; the larger
     improve            vectorised group moves (``moves``: every node or small component of forbidden-bearing
-                       edges at once, two-node moves, a falling price on usage where memory binds); above
+                       edges at once, two-node moves, a falling price on usage where memory binds); where
+                       few groups have a choice, all of them at once in one CP-SAT model, memory exact
+                       (``grouped``, memory rows added as its answers overfill segments); above
                        400 decisions two sweeps of component descent; then large-neighbourhood search in
                        three chunks, each going on at the neighbourhood size and step limit the one before
                        reached; group moves again after each
@@ -59,7 +61,7 @@ from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
-from shardsolve.encodings import bounds, cpsat, heuristics, lagrange, moves, search
+from shardsolve.encodings import bounds, cpsat, grouped, heuristics, lagrange, moves, search
 from shardsolve.encodings.flat import (CHARGE_PER_ITEM, Flat, evaluate, evaluation_charge, flatten, softened,
                                        subproblem, sweep_charge)
 from shardsolve.encodings.presolve import Reduced, reduce
@@ -105,6 +107,11 @@ DESCENT_SHARE = 0.6
 #: The descent's share is spent in this many sweeps, each followed by group moves; the LNS in this many chunks.
 DESCENT_SWEEPS = 2
 LNS_CHUNKS = 3
+#: ``grouped.solve_grouped`` (the whole problem over groups, memory exact, where functional edges leave at most
+#: ``grouped.GROUPED_MAX_CONFIGS`` configs to choose from): CP-SAT's deterministic time per round of memory
+#: rows, and the share of the budget left its rounds may use.
+GROUPED_STEP = 2.0
+GROUPED_SHARE = 0.5
 #: Vectorised one-node moves before and after the component descent: at most this many rounds, and this share
 #: of the budget left.
 MOVE_ROUNDS = 200
@@ -806,6 +813,28 @@ class Portfolio:
             x = self.moves.lift(q)
             self.consider(x, evaluate(self.flat, x))
 
+    def over_groups(self) -> None:
+        """The whole problem over groups with memory exact (``grouped.solve_grouped``), where functional edges
+        leave few choices (IOPDDL P: 190 groups with a choice, 718 configs); group moves after a gain. Its
+        model is the whole problem, so CP-SAT's bound on it (memory rows partly relaxed) is certified."""
+        if self.moves is None or not self.moves.groups_multi or self.budget <= 0 or self.wall_left() <= 0:
+            return
+        wall = time.perf_counter()
+        x, cost, bound, used = grouped.solve_grouped(self.moves, self.best_x, limit=GROUPED_STEP,
+                                                     budget=GROUPED_SHARE * self.budget, seed=self.seed,
+                                                     wall_limit=GROUPED_SHARE * self.wall_left())
+        self.budget -= used
+        self.stats["grouped_s"] = round(time.perf_counter() - wall, 3)
+        self.stats["grouped_work_s"] = round(used, 3)
+        if math.isfinite(bound):
+            self.stats["grouped_bound"] = bound + self.offset
+            self.bound = max(self.bound, bound)
+        gained = cost < self.best_cost
+        self.consider(x, cost)
+        if gained:
+            self.report("over groups", self.best_cost + self.offset, self.bound + self.offset)
+            self.group_moves()
+
     def improve(self) -> None:
         """Group moves, component descent sweeps (above ``EXACT_NODES``), LNS chunks; group moves after each.
 
@@ -816,6 +845,7 @@ class Portfolio:
         """
         flat = self.flat
         self.group_moves()
+        self.over_groups()
         if self.decision > EXACT_NODES:
             for _ in range(DESCENT_SWEEPS):
                 if self.budget <= 0 or self.wall_left() <= 0:

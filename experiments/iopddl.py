@@ -137,7 +137,8 @@ def write(rows: list[dict], argv: list[str] | None, load_before: tuple[float, fl
         "certified (where memory binds and no LP runs, the Lagrangian dual of the memory constraints: TRW-S on\n"
         "costs priced per byte, less the prices times the capacities; else TRW-S with memory relaxed; where the\n"
         "LP fits and TRW-S proves nothing, the LP with memory, from its duals, over the entries TRW-S leaves an\n"
-        "assignment cheaper than the one it read off). Valid:\n"
+        "assignment cheaper than the one it read off; where few groups of functionally tied nodes have a\n"
+        "choice, CP-SAT's bound on the whole problem over groups, P's). Valid:\n"
         "the contest's evaluation (`Problem.evaluate`) is finite and the peak usage is within the limit.\n\n"
     )
     footer = "\nFor P the best known cost is XLA's own auto-sharding result (651,833,115,436).\n"

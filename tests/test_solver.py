@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import time
 from pathlib import Path
@@ -12,7 +13,8 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from shardsolve.encodings import bounds, explain_infeasible, heuristics, moves, portfolio, search, smt, solve
+from shardsolve.encodings import (bounds, explain_infeasible, grouped, heuristics, moves, portfolio, search, smt,
+                                  solve)
 from shardsolve.encodings.cpsat import reduce_table, solve_cpsat, solve_feasibility
 from shardsolve.encodings.flat import evaluate, flatten, profile, softened
 from shardsolve.encodings.presolve import reduce, restrict
@@ -817,3 +819,22 @@ def test_a_start_of_the_wrong_length_is_refused():
     problem = _grid_problem(80, seed=0)
     with pytest.raises(ShardsolveError, match="start has 3 strategies, but problem 'grid' has 80 nodes"):
         solve(problem, time_limit=0.1, start=(0, 0, 0))
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(small_problems(max_nodes=6))
+def test_over_groups_finds_the_optimum(problem):
+    """The whole problem over groups, memory rows added lazily, from any valid start: the optimum, valid."""
+    assume(all(e.u != e.v for e in problem.edges) and not problem.pins)  # as reduce leaves them
+    opt, _ = brute_force(problem)
+    assume(math.isfinite(opt))
+    flat = flatten(problem)
+    start = next(np.array(x) for x in itertools.product(*(range(len(c)) for c in flat.costs))
+                 if math.isfinite(evaluate(flat, np.array(x))))
+    gm = moves.GroupMoves(flat, search.forbidden_components(flat))
+    x, cost, bound, work = grouped.solve_grouped(gm, start, limit=5.0, budget=1e6)
+    assert bound <= opt + 1e-6
+    assert work >= 0
+    assert cost == pytest.approx(evaluate(flat, x))
+    assert cost <= evaluate(flat, start)
+    assert problem.evaluate(tuple(int(s) for s in x)) == pytest.approx(opt)
