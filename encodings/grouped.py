@@ -108,7 +108,8 @@ def solve_grouped(gm: moves.GroupMoves, x: np.ndarray, *, limit: float, budget: 
     rows: list[int] = []  # binding segment indices whose rows are in the model
     have = np.zeros(len(binding), dtype=bool)
     hint = q[free]
-    held = cost - evaluate(sub, hint)  # the held groups' cost, outside the model
+    hint_cost = evaluate(sub, hint)
+    held = cost - hint_cost  # the held groups' cost, outside the model
     exact = bool(np.all(gm.usages == np.round(gm.usages)))
     bound = -math.inf
     for round_ in range(GROUPED_ROUNDS):
@@ -126,7 +127,7 @@ def solve_grouped(gm: moves.GroupMoves, x: np.ndarray, *, limit: float, budget: 
         work += used + CHARGE_PER_ITEM * (len(binding) + coef.size)
         if exact and math.isfinite(low):
             bound = max(bound, low + held - 1e-12 * abs(cost))
-        if y is None or (optimal and after >= evaluate(sub, hint) - 1e-9 * max(1.0, abs(after))):
+        if y is None or (optimal and after >= hint_cost - 1e-9 * max(1.0, abs(after))):
             break  # nothing beats x, even with memory partly relaxed
         change = sum(c[k] for c, k in zip(changes, y)) if changes else np.zeros(0)
         over = change - slack - tol
