@@ -334,7 +334,58 @@ def _constant_usage(usages: np.ndarray) -> bool:
 # -- the reductions -----------------------------------------------------------------
 
 
-def restrict(problem: Problem) -> tuple[Problem, Step]:
+class _EdgeBatches:
+    """``restrict``'s edge tables stacked by shape, to check many edges in one numpy pass."""
+
+    def __init__(self, tables: list[tuple[int, int, np.ndarray]], first: np.ndarray):
+        by_shape: dict[tuple, list[int]] = {}
+        for k, (u, v, finite) in enumerate(tables):
+            by_shape.setdefault((u == v,) + finite.shape, []).append(k)
+        self.group = np.empty(len(tables), dtype=np.int64)  # table -> its shape's group
+        self.slot = np.empty(len(tables), dtype=np.int64)  # table -> its place in the group
+        self.groups = []  # (self-loop?, rows of u's strategies, rows of v's strategies, stacked finite masks)
+        for g, ((loop, su, sv), ks) in enumerate(by_shape.items()):
+            ks_arr = np.array(ks, dtype=np.int64)
+            self.group[ks_arr], self.slot[ks_arr] = g, np.arange(len(ks))
+            us = np.array([tables[k][0] for k in ks], dtype=np.int64)
+            vs = np.array([tables[k][1] for k in ks], dtype=np.int64)
+            stacked = np.stack([tables[k][2] for k in ks])
+            if loop:  # a self-loop keeps the strategies its diagonal allows
+                stacked = np.diagonal(stacked, axis1=1, axis2=2)
+            self.groups.append((loop, first[us][:, None] + np.arange(su), first[vs][:, None] + np.arange(sv), stacked))
+
+    def check(self, dirty: np.ndarray, flat_ok: np.ndarray, owner: np.ndarray) -> np.ndarray:
+        """Check the ``dirty`` tables against ``flat_ok`` (updated in place, a group at a time); the nodes that
+        lost a strategy."""
+        killed = []
+        order = np.argsort(self.group[dirty], kind="stable")
+        dirty = dirty[order]
+        bounds = np.flatnonzero(np.diff(self.group[dirty])) + 1
+        for part in np.split(dirty, bounds):
+            loop, rows_u, rows_v, stacked = self.groups[self.group[part[0]]]
+            slots = self.slot[part]
+            ru = rows_u[slots]
+            oku = flat_ok[ru]
+            if loop:
+                gone = ru[oku & ~stacked[slots]]
+            else:
+                rv = rows_v[slots]
+                okv = flat_ok[rv]
+                sub = stacked[slots] & oku[:, :, None] & okv[:, None, :]
+                gone = np.concatenate([ru[oku & ~sub.any(axis=2)], rv[okv & ~sub.any(axis=1)]])
+            if gone.size:
+                flat_ok[gone] = False
+                killed.append(gone)
+        return np.unique(owner[np.concatenate(killed)]) if killed else np.zeros(0, dtype=np.int64)
+
+
+#: ``restrict`` checks its dirty edges in batches (one numpy pass per table shape) while at least this many
+#: are dirty, then one by one (a worklist, as in AC-3): batches save the interpreter's per-edge work on
+#: the first passes, which visit nearly every edge; the worklist the per-shape work on long tails.
+BATCH_EDGES = 64
+
+
+def restrict(problem: Problem, batch_edges: int = BATCH_EDGES) -> tuple[Problem, Step]:
     """Drop strategies that cannot appear in any feasible assignment.
 
     Pinned-out and forbidden strategies go; then, to a fixpoint, strategies
@@ -344,16 +395,22 @@ def restrict(problem: Problem) -> tuple[Problem, Step]:
 
     Only edges with a forbidden entry can remove a strategy; after a first pass
     over them, an edge is looked at again only when one of its nodes lost a
-    strategy (a worklist, as in AC-3). The memory test is one vectorised pass
-    over all strategies.
+    strategy. While at least ``batch_edges`` edges wait, they are checked
+    together, one numpy pass per table shape; fewer, one by one (a worklist,
+    as in AC-3). The fixpoint is the same either way. The memory test is one
+    vectorised pass over all strategies.
     """
     nodes = problem.nodes
     n = len(nodes)
-    ok = [np.asarray(nd.costs) < FORBIDDEN for nd in nodes]
+    sizes = np.array([nd.num_strategies for nd in nodes], dtype=np.int64)
+    owner = np.repeat(np.arange(n), sizes)
+    first = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
+    flat_ok = np.concatenate([np.asarray(nd.costs) < FORBIDDEN for nd in nodes]) if n else np.zeros(0, dtype=bool)
     for pin in problem.pins:
         mask = np.zeros(nodes[pin.node].num_strategies, dtype=bool)
         mask[list(pin.allowed)] = True
-        ok[pin.node] &= mask
+        flat_ok[first[pin.node]:first[pin.node] + sizes[pin.node]] &= mask
+    ok = [flat_ok[first[i]:first[i] + sizes[i]] for i in range(n)]  # views: updates go through ``flat_ok``
     # edges with a forbidden entry, and their finite masks
     tables: list[tuple[int, int, np.ndarray]] = []
     incident: list[list[int]] = [[] for _ in range(n)]
@@ -367,9 +424,6 @@ def restrict(problem: Problem) -> tuple[Problem, Step]:
         if e.v != e.u:
             incident[e.v].append(k)
     limit = problem.usage_limit
-    sizes = np.array([nd.num_strategies for nd in nodes], dtype=np.int64)
-    owner = np.repeat(np.arange(n), sizes)
-    first = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
     flat_usage = np.concatenate([np.asarray(nd.usages, dtype=np.float64) for nd in nodes]) if n else np.zeros(0)
     live = np.array([nd.interval[1] > nd.interval[0] for nd in nodes], dtype=bool)
 
@@ -379,43 +433,53 @@ def restrict(problem: Problem) -> tuple[Problem, Step]:
     for i, m in enumerate(ok):
         if not m.any():
             raise empty(i)
+    batches = _EdgeBatches(tables, first) if len(tables) >= batch_edges else None
     pending = list(range(len(tables)))
     queued = np.ones(len(tables), dtype=bool)
+
+    def lost(changed_nodes) -> None:
+        """``changed_nodes`` lost strategies: check they have some left, queue their edges again."""
+        for i in changed_nodes:
+            if not ok[i].any():
+                raise empty(i)
+            for j in incident[i]:
+                if not queued[j]:
+                    queued[j] = True
+                    pending.append(j)
+
     while True:
+        while len(pending) >= batch_edges and batches is not None:
+            dirty, pending[:] = np.array(pending, dtype=np.int64), []
+            queued[dirty] = False
+            lost(batches.check(dirty, flat_ok, owner))
         while pending:
             k = pending.pop()
             queued[k] = False
             u, v, finite = tables[k]
+            changed_nodes = []
             if u == v:
                 good = np.diag(finite) & ok[u]
-                changed_nodes = [u] if not np.array_equal(good, ok[u]) else []
-                ok[u] = good
+                if not np.array_equal(good, ok[u]):
+                    ok[u][:] = good
+                    changed_nodes.append(u)
             else:
                 sub = finite & ok[u][:, None] & ok[v][None, :]
-                gu = sub.any(axis=1) & ok[u]
-                gv = sub.any(axis=0) & ok[v]
-                changed_nodes = []
-                if not np.array_equal(gu, ok[u]):
-                    ok[u] = gu
+                gu = sub.any(axis=1)
+                gv = sub.any(axis=0)
+                if (ok[u] & ~gu).any():
+                    ok[u] &= gu
                     changed_nodes.append(u)
-                if not np.array_equal(gv, ok[v]):
-                    ok[v] = gv
+                if (ok[v] & ~gv).any():
+                    ok[v] &= gv
                     changed_nodes.append(v)
-            for i in changed_nodes:
-                if not ok[i].any():
-                    raise empty(i)
-                for j in incident[i]:
-                    if not queued[j]:
-                        queued[j] = True
-                        pending.append(j)
+            lost(changed_nodes)
         if limit is None or not live.any():
             break
-        mask = np.concatenate(ok)
-        least = np.minimum.reduceat(np.where(mask, flat_usage, INF), first)
+        least = np.minimum.reduceat(np.where(flat_ok, flat_usage, INF), first)
         base = _profile(problem, least)
         worst_rest = _interval_max(base, problem)
         fits = flat_usage + (worst_rest - least)[owner] <= limit * (1 + 1e-12)
-        drop = mask & ~fits & live[owner]
+        drop = flat_ok & ~fits & live[owner]
         if not drop.any():
             break
         for i in np.unique(owner[drop]):
@@ -424,11 +488,8 @@ def restrict(problem: Problem) -> tuple[Problem, Step]:
                 raise InfeasibleError(
                     f"node {i} ({nodes[i].name}) fits no strategy under the usage limit {limit:g}", ()
                 )
-            ok[i] = good
-            for j in incident[i]:
-                if not queued[j]:
-                    queued[j] = True
-                    pending.append(j)
+            ok[i][:] = good
+        lost(np.unique(owner[drop]))
     smaps = [np.flatnonzero(m) for m in ok]
     whole = [len(sm) == nd.num_strategies for sm, nd in zip(smaps, nodes)]
     new_nodes = tuple(
@@ -438,11 +499,20 @@ def restrict(problem: Problem) -> tuple[Problem, Step]:
         for i, (nd, sm) in enumerate(zip(nodes, smaps))
     )
     new_edges = tuple(
-        e if whole[e.u] and whole[e.v] else Edge(e.u, e.v, np.asarray(e.costs, dtype=np.float64)[np.ix_(smaps[e.u], smaps[e.v])])
+        e if whole[e.u] and whole[e.v] else Edge(e.u, e.v, _rows_cols(e.costs, None if whole[e.u] else smaps[e.u],
+                                                                       None if whole[e.v] else smaps[e.v]))
         for e in problem.edges
     )
     reduced = Problem(new_nodes, new_edges, problem.usage_limit, (), problem.name)
     return reduced, Step(len(nodes), np.arange(len(nodes)), tuple(smaps))
+
+
+def _rows_cols(costs, rows: np.ndarray | None, cols: np.ndarray | None) -> np.ndarray:
+    """``costs`` (as float64) at ``rows`` and ``cols`` (None: all of them)."""
+    c = np.asarray(costs, dtype=np.float64)
+    if rows is not None:
+        c = c[rows]
+    return c if cols is None else c[:, cols]
 
 
 def merge_parallel_edges(problem: Problem) -> tuple[Problem, Step]:

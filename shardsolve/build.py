@@ -62,7 +62,7 @@ import bisect
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import numpy as np
 
@@ -74,7 +74,7 @@ from shardsolve.rules import fallback_rule, rule_for
 from shardsolve.rules.elementwise import POINTWISE
 from shardsolve.rules.base import Rule, Strategy
 from shardsolve.sharding import Sharding, candidate_shardings
-from shardsolve.workspace import scratch_bytes, workspace_ratio
+from shardsolve.workspace import prefetch, scratch_bytes, workspace_ratio
 
 Scope = tuple[int, ...]  # () for the program; (k, ...) inside the body of scan op k, ...
 Pins = Sequence[tuple[Sharding | None, str]]
@@ -511,6 +511,7 @@ class ProblemBuilder:
 
     def build(self, in_pins: Pins, out_pins: Pins, memory_limit: float | None = None,
               ties: Sequence[tuple[int, int]] = ()) -> Built:
+        prefetch(self.planned_graphs(self.graph))  # the backend's compiles run beside the building
         self.add_arguments(in_pins)
         self.add_ops(self.graph, (), 1.0, None, "")
         self.add_outputs(out_pins)
@@ -821,6 +822,13 @@ class ProblemBuilder:
                 self.add_scan(g, op, scope, scale, step, end, name)
             else:
                 self.add_op(g, op, scope, scale, interval, name)
+
+    def planned_graphs(self, g: Graph) -> Iterator[Graph]:
+        """``g`` and the bodies of the scans in it that ``add_ops`` plans op by op."""
+        yield g
+        for op in g.ops:
+            if op.primitive == "scan" and self.options.expand_scans and expandable(op):
+                yield from self.planned_graphs(g.body(op))
 
     def rule_strategies(self, g: Graph, op: Op, live_out: tuple[bool, ...] = ()) -> tuple[Rule, bool, RuleStrategies]:
         """``op``'s rule (or the fallback, reported), and its strategies priced (shared by equal ops); ``live_out``

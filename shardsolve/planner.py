@@ -66,9 +66,36 @@ def _op_plans(g: Graph, built: Built, a: Sequence[int], scope: tuple, fallbacks:
     return tuple(ops)
 
 
-def to_plan(graph: Graph, built: Built, solution, mesh: MeshSpec, fun: Callable | None, source: str = "") -> Plan:
-    """The ``Plan`` of a solution of ``built``'s problem."""
-    a = solution.assignment
+@dataclasses.dataclass(frozen=True)
+class _Executed:
+    """What an assignment makes of the program, whatever solve found it: its shardings, ops, collectives, step
+    time and peak memory (``to_plan``'s work, done once per assignment of a ``plan`` call)."""
+
+    inputs: tuple
+    consts: tuple
+    outputs: tuple
+    ops: tuple
+    fallbacks: tuple
+    collectives: tuple
+    compute: float
+    communication: float
+    peak_memory: float
+    bytes_by_kind: tuple
+
+
+#: Per ``plan`` call, the ``_Executed`` of the assignments it made plans of: pricing a solution in the
+#: search and handing back its plan ask for the same (None outside ``plan``).
+_EXECUTED: contextvars.ContextVar[dict | None] = contextvars.ContextVar("shardsolve_executed", default=None)
+
+
+def _executed(graph: Graph, built: Built, a: Sequence[int], mesh: MeshSpec) -> _Executed:
+    memo = _EXECUTED.get()
+    # ``built``'s variants (a memory limit, merges priced otherwise) share their nodes, which is all it reads.
+    key = (id(graph), id(built.nodes), mesh, np.asarray(a, dtype=np.int64).tobytes())
+    if memo is not None and key in memo:
+        kept_graph, kept_nodes, found = memo[key]
+        if kept_graph is graph and kept_nodes is built.nodes:
+            return found
     inputs = tuple(built.sharding(built.value_node[v], a) for v in graph.inputs)
     consts = tuple(built.sharding(built.value_node[v], a) for v in graph.consts)
     outputs = tuple(Sharding.replicated(np.ndim(x.value)) if isinstance(x, Lit) else built.sharding(built.output_node[k], a)
@@ -81,17 +108,27 @@ def to_plan(graph: Graph, built: Built, solution, mesh: MeshSpec, fun: Callable 
                         if info.kind != "merged"))
     schedule = build_schedule(graph, mesh, inputs, consts, outputs, ops)
     collectives = predicted_collectives(schedule, mesh)
-    communication = sum(c.time for c in collectives)
     by_kind: Counter = Counter()
     for c in collectives:
         by_kind[c.kind] += c.bytes  # one run of each (a scan body's collectives once, as in the HLO)
+    found = _Executed(inputs, consts, outputs, ops, tuple(sorted(fallbacks.items())), collectives, compute,
+                      sum(c.time for c in collectives), peak_memory(graph, built, a, schedule, mesh),
+                      tuple(sorted(by_kind.items())))
+    if memo is not None:
+        memo[key] = (graph, built.nodes, found)
+    return found
+
+
+def to_plan(graph: Graph, built: Built, solution, mesh: MeshSpec, fun: Callable | None, source: str = "") -> Plan:
+    """The ``Plan`` of a solution of ``built``'s problem."""
+    done = _executed(graph, built, solution.assignment, mesh)
     cost = Cost(
-        total=compute + communication,
-        compute=compute,
-        communication=communication,
-        peak_memory=peak_memory(graph, built, a, schedule, mesh),
+        total=done.compute + done.communication,
+        compute=done.compute,
+        communication=done.communication,
+        peak_memory=done.peak_memory,
         objective=float(solution.cost),
-        bytes_by_kind=tuple(sorted(by_kind.items())),
+        bytes_by_kind=done.bytes_by_kind,
     )
     stats = dict(solution.stats or {})
     stats.update(
@@ -105,17 +142,17 @@ def to_plan(graph: Graph, built: Built, solution, mesh: MeshSpec, fun: Callable 
     return Plan(
         mesh=mesh,
         signature=Signature.of(graph.traced),
-        inputs=inputs,
-        consts=consts,
-        outputs=outputs,
-        ops=ops,
-        collectives=collectives,
+        inputs=done.inputs,
+        consts=done.consts,
+        outputs=done.outputs,
+        ops=done.ops,
+        collectives=done.collectives,
         cost=cost,
         status=solution.status,
         gap=float(solution.gap),
         lower_bound=float(solution.lower_bound),
         solve_time=float(solution.wall_time),
-        fallbacks=tuple(sorted(fallbacks.items())),
+        fallbacks=done.fallbacks,
         stats=tuple(sorted((k, v) for k, v in stats.items() if isinstance(v, (int, float, str, bool)))),
         source=source,
         input_names=tuple(graph.values[v].name for v in graph.inputs),
@@ -215,10 +252,12 @@ def plan(
     if time_limit is not None and not time_limit > 0:
         raise ShardsolveError(f"time_limit {time_limit!r} must be a positive number of seconds")
     token = _NET.set(None if time_limit is None else SolvingNet(float(time_limit)))
+    executed = _EXECUTED.set({})
     try:
         return _plan(fun, args, mesh, in_shardings, out_shardings, memory_limit, time_limit, carry, seed, progress,
                      source, tie, expand_scans, uneven, memory_check, logical_rules, hints)
     finally:
+        _EXECUTED.reset(executed)
         _NET.reset(token)
 
 

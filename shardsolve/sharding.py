@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Iterator, Sequence
 
 from shardsolve.errors import ShardsolveError
@@ -46,6 +46,17 @@ class Sharding:
     dims: tuple[tuple[str, ...], ...]
     partial: tuple[str, ...] = ()
     reduce_op: str = "sum"  # how partial summands combine
+    # Computed once: shardings key most of the problem builder's caches, looked up millions of times.
+    _hash: int = field(init=False, repr=False, compare=False, default=0)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_hash", hash((self.dims, self.partial, self.reduce_op)))
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __reduce__(self):  # the hash of strings differs between processes: a copy computes its own
+        return Sharding, (self.dims, self.partial, self.reduce_op)
 
     # -- construction -----------------------------------------------------
 

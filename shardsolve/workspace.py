@@ -25,7 +25,9 @@ body the planner sees op by op. Where the compile fails the ratio is 0.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+import os
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Iterable, Sequence
 
 import numpy as np
 
@@ -45,8 +47,34 @@ NO_SCRATCH = (fusion_classes(POINTWISE)[1]
 def workspace_ratio(graph: Graph, op: Op) -> float:
     """``op``'s scratch bytes per byte of its operands, as the default backend compiles it alone (0 where it
     needs none or cannot be compiled alone)."""
-    if op.primitive in NO_SCRATCH or any(_is_program(p) for p in op.params.values()):
+    found = _keyed(graph, op)
+    if found is None:
         return 0.0
+    key, avals = found
+    if key is None:  # parameters without a stable text: measured per op, uncached
+        return _measure(op, avals)
+    return _cached(key, op, avals)
+
+
+def prefetch(graphs: Iterable[Graph]) -> None:
+    """Start measuring, on background threads, the ratio of every op of ``graphs`` not known yet, so that the
+    compiles (which release the interpreter) run beside the caller's own work; ``workspace_ratio`` then
+    waits for the one it asks for. The ratios are the ones ``workspace_ratio`` measures itself."""
+    for graph in graphs:
+        for op in graph.ops:
+            found = _keyed(graph, op)
+            if found is None or found[0] is None:
+                continue
+            key, avals = found
+            if key not in _RATIOS and key not in _PENDING:
+                _PENDING[key] = _pool().submit(_measure, op, avals)
+
+
+def _keyed(graph: Graph, op: Op) -> tuple[tuple | None, tuple] | None:
+    """``op``'s cache key (None where its parameters have no stable text) and operand shapes; None where it
+    needs no scratch."""
+    if op.primitive in NO_SCRATCH or any(_is_program(p) for p in op.params.values()):
+        return None
     avals, literals = [], []
     for x in op.inputs:
         if isinstance(x, Lit):
@@ -57,9 +85,9 @@ def workspace_ratio(graph: Graph, op: Op) -> float:
             avals.append((tuple(v.shape), str(np.dtype(v.dtype))))
     try:
         key = (op.primitive, tuple(avals), repr(sorted(op.params.items())), repr([lit.value for lit in literals]))
-    except Exception:  # noqa: BLE001 - parameters without a stable text: measured per op, uncached
-        return _measure(op, tuple(avals))
-    return _cached(key, op, tuple(avals))
+    except Exception:  # noqa: BLE001
+        key = None
+    return key, tuple(avals)
 
 
 def scratch_bytes(ratio: float, strategy: Strategy, operand_shapes: Sequence[tuple[int, ...]],
@@ -72,11 +100,20 @@ def scratch_bytes(ratio: float, strategy: Strategy, operand_shapes: Sequence[tup
 
 
 _RATIOS: dict[tuple, float] = {}
+_PENDING: dict[tuple, Future] = {}  # measurements ``prefetch`` started, by key
+_POOL: list[ThreadPoolExecutor] = []
+
+
+def _pool() -> ThreadPoolExecutor:
+    if not _POOL:
+        _POOL.append(ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1), thread_name_prefix="workspace"))
+    return _POOL[0]
 
 
 def _cached(key: tuple, op: Op, avals: tuple) -> float:
     if key not in _RATIOS:
-        _RATIOS[key] = _measure(op, avals)
+        pending = _PENDING.pop(key, None)
+        _RATIOS[key] = _measure(op, avals) if pending is None else pending.result()
     return _RATIOS[key]
 
 

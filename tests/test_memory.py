@@ -25,7 +25,7 @@ from shardsolve.hlo import compiled_memory
 from shardsolve.mesh import MeshSpec
 from shardsolve.problem import FORBIDDEN
 from shardsolve.trace import trace
-from shardsolve.workspace import workspace_ratio
+from shardsolve.workspace import prefetch, workspace_ratio
 
 MESH = "data=2,model=4"
 F32 = jnp.float32
@@ -85,6 +85,20 @@ def test_scratch_is_measured_where_the_backend_needs_it():
     ratios = {op.primitive: workspace_ratio(g, op) for op in g.ops}
     assert ratios["select_and_scatter_add"] > 1.0  # expanded into a window reduction and a scatter
     assert ratios["tanh"] == 0.0
+
+
+def _weight_gradient(x, g):  # contracts the leading dimensions: the backend transposes both operands first
+    return lax.dot_general(x, g, (((0, 1), (0, 1)), ((), ())))
+
+
+def test_scratch_measured_in_the_background_is_the_compiled_scratch():
+    x, g = jax.ShapeDtypeStruct((24, 40, 56), F32), jax.ShapeDtypeStruct((24, 40, 72), F32)
+    graph = _graph(_weight_gradient, x, g)
+    prefetch([graph])  # the problem builder's way: compiled on background threads, asked for later
+    (dot,) = [op for op in graph.ops if op.primitive == "dot_general"]
+    temp = jax.jit(_weight_gradient).lower(x, g).compile().memory_analysis().temp_size_in_bytes
+    assert temp > 0
+    assert workspace_ratio(graph, dot) == pytest.approx(temp / (4 * 24 * 40 * (56 + 72)))
 
 
 @pytest.mark.parametrize("fun, args, pins", [

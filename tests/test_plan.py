@@ -65,6 +65,34 @@ def test_mlp_plan_respects_annotations_and_matches_numerics():
     assert plan.cost.peak_memory > 0
 
 
+def test_a_plan_call_works_out_each_assignment_once(monkeypatch):
+    """Pricing a solution in the search and handing back its plan ask for the same program: one schedule per
+    assignment in a ``plan`` call, and the plan handed back is the one worked out afresh."""
+    from shardsolve import planner
+
+    seen, schedules = [], []
+    to_plan, build_schedule = planner.to_plan, planner.build_schedule
+
+    def keep(graph, built, solution, *rest, **kw):
+        seen.append((graph, built, solution, rest))
+        return to_plan(graph, built, solution, *rest, **kw)
+
+    def count(*args, **kw):
+        schedules.append(1)
+        return build_schedule(*args, **kw)
+
+    monkeypatch.setattr(planner, "to_plan", keep)
+    monkeypatch.setattr(planner, "build_schedule", count)
+    params, x = _mlp_args()
+    plan = shardsolve.plan(_mlp_step, params, x, mesh="data=2,model=4", in_shardings=(None, P("data")))
+    assignments = {tuple(solution.assignment) for _, _, solution, _ in seen}
+    assert len(seen) > len(assignments) >= 1  # the solution priced is the one handed back
+    assert len(schedules) == len(assignments)
+    graph, built, solution, rest = seen[-1]
+    fresh = to_plan(graph, built, solution, *rest)  # outside a plan call: nothing kept
+    assert fresh.cost == plan.cost and fresh.collectives == plan.collectives and fresh.ops == plan.ops
+
+
 def test_plan_accepts_shape_dtype_structs_without_allocating():
     big = {"w1": jax.ShapeDtypeStruct((8192, 32768), jnp.float32), "w2": jax.ShapeDtypeStruct((32768, 8192), jnp.float32)}
     x = jax.ShapeDtypeStruct((1024, 8192), jnp.float32)

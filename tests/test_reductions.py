@@ -188,6 +188,19 @@ def test_restrict_worklist_matches_sweeps(problem):
     assert [list(m) for m in step.strategy_maps] == [list(np.flatnonzero(m)) for m in want]
 
 
+@SETTINGS
+@given(small_problems())
+def test_restrict_in_batches_matches_sweeps(problem):
+    """Checking every dirty edge in batches (one numpy pass per table shape) keeps the same strategies."""
+    want = _restrict_by_sweeps(problem)
+    try:
+        _, step = restrict(problem, batch_edges=1)
+    except InfeasibleError:
+        assert not all(m.any() for m in want)
+        return
+    assert [list(m) for m in step.strategy_maps] == [list(np.flatnonzero(m)) for m in want]
+
+
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(small_problems(max_nodes=7))
 def test_reduce_driver_is_exact(problem):
