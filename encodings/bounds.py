@@ -174,10 +174,14 @@ def trws_gamma(flat: Flat) -> np.ndarray:
     return 1.0 / np.maximum(1, np.maximum(earlier, later))
 
 
+#: ``trws_bound``'s ``stall`` test starts at this many passes (against the bound at half as many).
+STALL_FROM = 64
+
+
 def trws_bound(
     flat, passes: int = 60, target: float = math.inf, decoded: list | None = None, *,
     wall_limit: float | None = None, final_only: bool = False, decode_every: int = 0, ran: list | None = None,
-    terms: bool = True,
+    terms: bool = True, stall: float = 0.0,
 ) -> tuple[float, list[np.ndarray] | None, list[np.ndarray] | None]:
     """A certified lower bound by sequential tree-reweighted message passing (TRW-S), memory relaxed.
 
@@ -213,6 +217,9 @@ def trws_bound(
     the passes stop (only then does the result depend on the machine's speed). The bound carries no
     floating-point margin: callers subtract one relative to their costs.
     With a list ``ran``, the number of passes run is appended (to charge them).
+    ``stall`` (with a finite ``target``): the passes also stop once doubling them (from ``STALL_FROM`` passes
+    on) closed less than that part of what was left to ``target``: the bound creeps towards an LP optimum
+    short of the target, and the passes are better spent by the caller elsewhere.
     """
     started = time.perf_counter()
     n = flat.n
@@ -256,6 +263,7 @@ def trws_bound(
     else:
         best, best_at = kernels.reparametrised_value(packed, True, to_u, to_v), (True, to_u.copy(), to_v.copy())
     found, found_cost = None, math.inf  # the cheapest valid assignment read off so far (``decode_every``)
+    at_half: dict[int, float] = {}  # the best bound after each power of two of passes (``stall``)
     done = 0
     for k in range(passes):
         done = k + 1
@@ -276,6 +284,12 @@ def trws_bound(
                     break
             if best >= target or late:
                 break
+            if stall and math.isfinite(target) and done >= STALL_FROM and done & (done - 1) == 0:
+                if done // 2 in at_half and best - at_half[done // 2] < stall * (target - best):
+                    break
+                at_half[done] = best
+            elif stall and done == STALL_FROM // 2:
+                at_half[done] = best
     if decoded is not None:
         decoded.append(found if found is not None else decode())
     if ran is not None:

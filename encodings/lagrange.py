@@ -127,7 +127,8 @@ def step_charge(flat: Flat, passes: int = STEP_PASSES) -> float:
 
 def dual_ascent(flat: Flat, target: float, *, budget: float, consider: Callable[[np.ndarray], float],
                 wall_limit: float | None = None, passes: int = STEP_PASSES,
-                on_step: Callable[[float], None] | None = None) -> tuple[float, float, dict]:
+                on_step: Callable[[float], None] | None = None,
+                charged: Callable[[], float] | None = None) -> tuple[float, float, dict]:
     """Price steps while ``budget`` (deterministic seconds) lasts; returns (best bound, work, stats).
 
     ``stats["decoded"]`` is the assignment read off at the best bound (None without a step): the
@@ -138,7 +139,8 @@ def dual_ascent(flat: Flat, target: float, *, budget: float, consider: Callable[
     still break a forbidden pair: the caller evaluates it) and returns the
     best valid cost so far, which becomes the target. ``wall_limit``: a wall-clock safety net,
     seconds from now. ``on_step(bound)``, when given, is called after every step with the best bound so far
-    (for progress reports).
+    (for progress reports). ``charged()``: the work ``consider`` has done so far (the caller's, not in the
+    returned work), which the budget covers too.
     """
     started = time.perf_counter()
     if not len(flat.binding) or not flat.n:
@@ -153,7 +155,8 @@ def dual_ascent(flat: Flat, target: float, *, budget: float, consider: Callable[
     repair_round = REPAIR_CHARGE_PER_VISIT * max(1, _most_live(flat))
     best, theta, stale, steps, repairs, repaired = -math.inf, 1.0, 0, 0, 0, 0.0
     best_mu, best_g, best_x = priced.mu, np.zeros(0), None
-    while spent + per_step <= budget and (wall_limit is None or time.perf_counter() - started < wall_limit):
+    extra = charged or (lambda: 0.0)
+    while spent + extra() + per_step <= budget and (wall_limit is None or time.perf_counter() - started < wall_limit):
         steps += 1
         value = priced.run(passes)
         x = priced.decode()
@@ -165,7 +168,8 @@ def dual_ascent(flat: Flat, target: float, *, budget: float, consider: Callable[
             best_mu, best_g, best_x = priced.mu.copy(), g, x
         else:
             stale += 1
-        rounds = int((budget - spent - icm) / repair_round) if budget - spent > icm else 0
+        left = budget - spent - extra()
+        rounds = int((left - icm) / repair_round) if left > icm else 0
         if float(g.max()) <= limit and rounds > 0:
             visits: list = []
             y = heuristics.repair(soft, x, rounds=rounds, work=visits)

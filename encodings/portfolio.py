@@ -149,6 +149,10 @@ TRWS_SHARE_LARGE = 0.03
 #: stops at its next check (the final lift and evaluation still run).
 WALL_SLACK = 1.05
 WALL_EXTRA = 1.0
+#: Work units a second of ``time_limit`` buys. The charges (CP-SAT's deterministic time, per-entry and per-pass
+#: charges) run ahead of the wall clock on the reference machine (2 cores): the search stopped at about half
+#: its limit. Scaled, it works for about the limit while the wall-clock net above still holds.
+WORK_PER_SECOND = 1.5
 
 
 def wall_net(time_limit: float) -> float:
@@ -231,7 +235,8 @@ def solve(
 ) -> Solution:
     """Pick one strategy per node, minimising cost under pins and the memory limit.
 
-    ``time_limit``: deterministic work budget in seconds (default 30); ``wall_limit``:
+    ``time_limit``: seconds (default 30), bought as a deterministic work budget of ``WORK_PER_SECOND``
+    units each (the solver's charges, so that the same input gives the same answer); ``wall_limit``:
     the wall-clock safety net in seconds from the call (default
     ``1.05 * time_limit + 1``; a caller running several solves in one limit
     passes what is left of its own net). With nothing valid found, the
@@ -274,19 +279,24 @@ def solve(
         problem.validate()
     except ValueError as exc:
         raise ShardsolveError(f"invalid problem {problem.name!r}: {exc}") from None
-    budget = DEFAULT_TIME_LIMIT if time_limit is None else max(0.0, float(time_limit))
+    seconds = DEFAULT_TIME_LIMIT if time_limit is None else max(0.0, float(time_limit))
+    budget = WORK_PER_SECOND * seconds
+    if wall_limit is None:
+        wall_limit, held = wall_net(seconds), False
+    else:
+        held = True
     if start is not None and len(start) != len(problem.nodes):
         raise ShardsolveError(f"start has {len(start)} strategies, but problem {problem.name!r} has "
                               f"{len(problem.nodes)} nodes; pass one strategy index per node")
     try:
         reduced = reduce(problem)
     except InfeasibleError:
-        net = wall_net(budget) if wall_limit is None else wall_limit
+        net = wall_limit
         return infeasible_solution(problem, started, {"reduced": False}, net - (time.perf_counter() - started)
                                    if explain else None)
     with frozen_heap():
         return Portfolio(problem, reduced, budget, started, seed=seed, workers=workers, progress=progress,
-                         incumbent=incumbent, wall_limit=wall_limit, start=start, explain=explain).run()
+                         incumbent=incumbent, wall_limit=wall_limit, start=start, explain=explain, held=held).run()
 
 
 def infeasible_solution(problem: Problem, started: float, stats: dict, explain_s: float | None) -> Solution:
@@ -332,7 +342,8 @@ class Portfolio:
 
     def __init__(self, problem: Problem, reduced: Reduced, budget: float, started: float, *, seed: int = 0,
                  workers: int | None = None, progress: Progress | None = None, incumbent: dict | None = None,
-                 wall_limit: float | None = None, start: Sequence[int] | None = None, explain: bool = True):
+                 wall_limit: float | None = None, start: Sequence[int] | None = None, explain: bool = True,
+                 held: bool | None = None):
         self.problem = problem
         self.explain = explain  # an infeasible answer looks for its conflict
         self.start = None if start is None else reduced.project(start)  # -1: a strategy the reductions dropped
@@ -343,8 +354,9 @@ class Portfolio:
         self.threads = 1 if workers is None else max(1, int(workers))
         self.report = progress or _quiet
         self.total_budget = budget
-        self.wall_limit = wall_net(budget) if wall_limit is None else max(0.0, float(wall_limit))
-        self.held = wall_limit is not None  # a caller's net: no step runs past it (``past_net``)
+        self.wall_limit = wall_net(budget / WORK_PER_SECOND) if wall_limit is None else max(0.0, float(wall_limit))
+        # a caller's net: no step runs past it (``past_net``)
+        self.held = (wall_limit is not None) if held is None else held
         self.stats: dict = dict(reduced.stats)
         self.stats["reduce_s"] = round(time.perf_counter() - started, 3)
         self.budget = budget - reduced.stats.get("reduce_deterministic_s", 0.0)  # checking and reducing the input
@@ -406,7 +418,8 @@ class Portfolio:
         if status == "optimal":
             bound = cost
         stats["wall_s"] = round(time.perf_counter() - started, 3)
-        stats["budget_left_s"] = round(max(0.0, self.budget), 6)  # deterministic: a caller may hand it on
+        # deterministic, in seconds of ``time_limit``: a caller may hand it on
+        stats["budget_left_s"] = round(max(0.0, self.budget) / WORK_PER_SECOND, 6)
         return Solution(tuple(int(s) for s in assignment), cost, bound, status, time.perf_counter() - started, (),
                         stats)
 
@@ -760,6 +773,7 @@ class Portfolio:
         started = time.perf_counter()
         value, used, more = lagrange.dual_ascent(flat, self.best_cost, budget=LAGRANGE_SHARE * self.budget,
                                                  consider=consider, wall_limit=LAGRANGE_SHARE * self.wall_left(),
+                                                 charged=lambda: polished[0],
                                                  on_step=lambda bound: self.report(
                                                      "memory priced", self.best_cost + self.offset,
                                                      max(self.bound, bound) + self.offset))

@@ -51,6 +51,10 @@ REPAIR_MAX_NODES = 400
 #: ``component_descent``: largest neighbourhood, and the nodes around a small component freed with it.
 DESCENT_MAX_NODES = 600
 DESCENT_GROW = 100
+#: ... and the most strategies and table entries it grows to: CP-SAT's model of a neighbourhood is about one
+#: term an entry, and building it outgrew the step's own search on meshes of three axes (600 nodes of tables
+#: 45 strategies a side: 9M terms, 11 s to build, for a step of 1 s).
+DESCENT_MAX_ENTRIES = 200_000
 
 #: TRW-S warm starts (``trws_starts``): usage penalties tried, per byte, relative to the start's cost
 #: per byte of capacity, each followed by ``TRWS_START_PASSES`` passes and a decoding.
@@ -310,25 +314,48 @@ def violated_edges(flat: Flat, x: np.ndarray) -> np.ndarray:
                     dtype=np.int64)
 
 
-def _ball(flat: Flat, seeds: list[int], allowed: np.ndarray, size: int) -> np.ndarray:
-    """Breadth-first ball of at most ``size`` nodes from ``seeds`` along edges, within ``allowed``."""
+def _ball(flat: Flat, seeds: list[int], allowed: np.ndarray, size: int, entries: float = math.inf) -> np.ndarray:
+    """Breadth-first ball of at most ``size`` nodes from ``seeds`` along edges, within ``allowed``; it stops
+    growing before its strategies and the entries of the tables inside it pass ``entries`` (the seeds are
+    kept whatever they hold)."""
     seen = np.zeros(flat.n, dtype=bool)
     order = []
     for s in seeds:
         if not seen[s]:
             seen[s] = True
             order.append(s)
+    held = 0.0 if math.isinf(entries) else float(sum(_entries_joining(flat, s, seen) for s in order))
     head = 0
     while head < len(order) and len(order) < size:
         i = order[head]
         head += 1
         for _, j, _ in flat.adj[i]:
             if allowed[j] and not seen[j]:
+                if not math.isinf(entries):
+                    more = _entries_joining(flat, j, seen)
+                    if held + more > entries:
+                        return np.array(sorted(order), dtype=np.int64)
+                    held += more
                 seen[j] = True
                 order.append(j)
                 if len(order) >= size:
                     break
     return np.array(sorted(order), dtype=np.int64)
+
+
+def _entries_of(flat: Flat, nodes: np.ndarray) -> int:
+    """The strategies of ``nodes`` and the entries of the tables between them."""
+    inside = np.zeros(flat.n, dtype=bool)
+    total = 0
+    for j in nodes:
+        total += _entries_joining(flat, int(j), inside)
+        inside[j] = True
+    return total
+
+
+def _entries_joining(flat: Flat, j: int, inside: np.ndarray) -> int:
+    """What node ``j`` adds to a neighbourhood of the nodes ``inside``: its strategies and its tables to them."""
+    return len(flat.costs[j]) + sum(flat.tables[e].size for e, k, _ in flat.adj[j] if inside[k])
 
 
 def _component_neighbourhood(flat: Flat, size: int, rng: np.random.Generator, decision: np.ndarray,
@@ -455,10 +482,12 @@ def _descent_sweep(flat: Flat, x: np.ndarray, cost: float, comp: np.ndarray, dec
         members = np.flatnonzero(inside)
         if not len(members):
             continue
-        if len(members) > DESCENT_MAX_NODES:
-            free = _ball(flat, [int(members[np.argmax(excess[members])])], inside, DESCENT_MAX_NODES)
+        if len(members) > DESCENT_MAX_NODES or _entries_of(flat, members) > DESCENT_MAX_ENTRIES:
+            free = _ball(flat, [int(members[np.argmax(excess[members])])], inside, DESCENT_MAX_NODES,
+                         DESCENT_MAX_ENTRIES)
         else:
-            free = _ball(flat, [int(i) for i in members], decision, max(len(members), DESCENT_GROW))
+            free = _ball(flat, [int(i) for i in members], decision, max(len(members), DESCENT_GROW),
+                         DESCENT_MAX_ENTRIES)
         sub = subproblem(flat, free, x, prof)
         before = evaluate(sub, x[free])
         limit = min(1.0, max(0.05, budget - spent))

@@ -86,6 +86,9 @@ BOUND_SECONDS = 10.0
 MIN_SECONDS = 0.5
 #: The untied bound's TRW-S passes take at most this share of its time (and of its wall-clock net).
 BOUND_PASS_SHARE = 0.8
+#: The passes stop early once doubling them closes less than this part of the gap to the tied plan
+#: (``bounds.trws_bound``'s ``stall``): an LP bound short of it, whose time the pruned search uses better.
+BOUND_STALL = 0.05
 #: Classes smaller than this are not worth an edge.
 MIN_CLASS = 2
 
@@ -324,7 +327,7 @@ def merge(problem: Problem, pairs: Sequence[tuple[int, int, np.ndarray]]) -> tup
 
 def untied_bound(
     reduced: Reduced, upper: float, *, passes: int = 2000, time_limit: float = 10.0, seed: int = 0,
-    wall_limit: float | None = None,
+    wall_limit: float | None = None, start: Sequence[int] | None = None,
 ) -> tuple[float, str, tuple[int, ...] | None]:
     """A certified lower bound of the untied problem, given the cost ``upper`` of one of its assignments.
 
@@ -337,6 +340,9 @@ def untied_bound(
        (memory kept) is solved; its certified bound, capped at ``upper``,
        bounds the untied optimum. Near the optimum most entries go, so this
        is quick.
+
+    ``start``: the reduced problem's assignment of cost ``upper`` (the tied plan), where the pruned search
+    starts (it keeps every entry of an assignment of that cost).
 
     ``time_limit`` covers both: the passes are at most ``BOUND_PASS_SHARE`` of
     it (``bounds.trws_pass_charge`` a pass), the pruned solve gets the
@@ -357,18 +363,19 @@ def untied_bound(
         return offset, "trws", None
     wall = portfolio.wall_net(time_limit) if wall_limit is None else wall_limit
     per_pass = trws_pass_charge(flat)
-    passes = int(max(2, min(passes, BOUND_PASS_SHARE * time_limit / per_pass)))
+    work = portfolio.WORK_PER_SECOND * time_limit  # the passes' share in work units, as ``encodings.solve`` counts
+    passes = int(max(2, min(passes, BOUND_PASS_SHARE * work / per_pass)))
     ub = upper - offset
     tol = 1e-9 * max(abs(ub), 1e-300)  # "meets": as ``encodings.solve`` calls a bound optimal
     margin = 1e-10 * max(abs(ub), 1e-300)  # floating-point error of the reparametrised sums
     ran: list = []
     lb, node_terms, edge_terms = trws_bound(flat, passes, target=ub - tol + margin,
-                                            wall_limit=BOUND_PASS_SHARE * wall, ran=ran)
+                                            wall_limit=BOUND_PASS_SHARE * wall, ran=ran, stall=BOUND_STALL)
     lb -= margin
     if lb >= ub - tol:
         return upper, "trws", None
     wall_left = wall - (time.perf_counter() - started)
-    left = time_limit - trws_charge(flat, ran[0])
+    left = time_limit - trws_charge(flat, ran[0]) / portfolio.WORK_PER_SECOND  # seconds, for ``encodings.solve``
     reducing = ENTRY_CHARGE * sum(t.size for t in flat.tables)
     if min(left, wall_left) < reducing:
         return lb + offset, "trws", None  # less time left than reducing the pruned problem's tables takes
@@ -383,7 +390,7 @@ def untied_bound(
                   for e, t in zip(problem.edges, kept.tables))
     pruned = Problem(nodes, edges, problem.usage_limit, problem.pins, problem.name)
     try:
-        sol = encodings.solve(pruned, time_limit=left, seed=seed, wall_limit=wall_left, explain=False)
+        sol = encodings.solve(pruned, time_limit=left, seed=seed, wall_limit=wall_left, explain=False, start=start)
     except InfeasibleError:
         return upper, "trws+pruned", None  # no assignment is cheaper than ``upper``
     if sol.status == "infeasible":
@@ -482,7 +489,7 @@ def solve_tied(
     tied = tie(reduced, classes)
     if tied.tied_nodes == 0:
         return None
-    reduce_work = reduced.stats.get("reduce_deterministic_s", 0.0)
+    reduce_work = reduced.stats.get("reduce_deterministic_s", 0.0) / portfolio.WORK_PER_SECOND  # in seconds
 
     def share(part: float) -> float | None:
         """``part`` of ``time_limit`` less the reduction's work (a fixed split keeps the run deterministic); None
@@ -582,7 +589,8 @@ def _certified(problem: Problem, reduced: Reduced, solution: Solution, time_limi
     tied_cost = float(solution.stats["tied_cost"])
     bound_started = time.perf_counter()
     try:
-        bound, how, better = untied_bound(reduced, cost, seed=seed, time_limit=time_limit, wall_limit=wall_limit)
+        bound, how, better = untied_bound(reduced, cost, seed=seed, time_limit=time_limit, wall_limit=wall_limit,
+                                          start=reduced.project(assignment))
     except KeyboardInterrupt:  # the tied plan is complete: it is the best so far
         raise _interrupted(problem, assignment, started) from None
     improved = cost < tied_cost

@@ -631,6 +631,48 @@ def test_component_descent_keeps_validity_and_never_worsens():
     assert np.array_equal(runs[0][0], runs[1][0]) and runs[0][1] == runs[1][1]  # deterministic
 
 
+def test_component_descent_neighbourhoods_stay_within_their_entries(monkeypatch):
+    """A neighbourhood grows only while its strategies and the entries of the tables inside it fit
+    ``DESCENT_MAX_ENTRIES``: CP-SAT's model is about a term an entry, and building it must not outgrow the step."""
+    problem, _ = _planted_problem(150, seed=2)
+    flat = flatten(problem)
+    soft, _ = softened(flat)
+    start, _, _ = search.repair_forbidden(flat, heuristics.icm(soft, heuristics.least_usage(flat), sweeps=3), budget=5.0)
+    held = []
+    solve_neighbourhood = search.solve_neighbourhood
+
+    def record(sub, *args, **kw):
+        held.append(sum(len(c) for c in sub.costs) + sum(t.size for t in sub.tables))
+        return solve_neighbourhood(sub, *args, **kw)
+
+    monkeypatch.setattr(search, "solve_neighbourhood", record)
+    x, cost, _, stats = search.component_descent(flat, start, budget=2.0, seed=1)
+    uncapped = max(held)
+    monkeypatch.setattr(search, "DESCENT_MAX_ENTRIES", uncapped // 4)
+    held.clear()
+    x, cost, _, stats = search.component_descent(flat, start, budget=2.0, seed=1)
+    assert stats["descent_steps"] > 0 and held
+    assert max(held) <= uncapped // 4
+    assert cost <= evaluate(flat, start) and cost == evaluate(flat, x)
+
+
+def test_trws_stops_once_its_bound_stalls_short_of_the_target():
+    """A frustrated cycle (three nodes, each pair paying 1 for equal strategies): the LP bound, 0, is short of the
+    optimum, 1; with ``stall`` the passes stop once doubling them gains nothing towards it, the bound unchanged."""
+    same = np.eye(2)
+    problem = Problem(tuple(Node(f"n{i}", np.zeros(2), np.zeros(2)) for i in range(3)),
+                      (Edge(0, 1, same), Edge(1, 2, same), Edge(0, 2, same)))
+    flat = flatten(problem)
+    assert brute_force(problem)[0] == 1.0
+    runs = {}
+    for stall in (0.0, 0.05):
+        ran: list = []
+        runs[stall] = bounds.trws_bound(flat, 1000, target=1.0, stall=stall, ran=ran, terms=False)[0], ran[0]
+    (free, free_passes), (stalled, stalled_passes) = runs[0.0], runs[0.05]
+    assert free_passes == 1000 and stalled_passes == bounds.STALL_FROM
+    assert stalled == pytest.approx(free, abs=1e-9) and stalled <= 1.0
+
+
 def test_time_windows_are_drawn_at_the_tightest_memory_segments_most_often():
     """``segment_weights``: a distribution over the binding segments, the one with the least slack the likeliest."""
     flat = flatten(_grid_problem(120, seed=3))
