@@ -377,7 +377,7 @@ def untied_bound(
     wall_left = wall - (time.perf_counter() - started)
     left = time_limit - trws_charge(flat, ran[0]) / portfolio.WORK_PER_SECOND  # seconds, for ``encodings.solve``
     reducing = ENTRY_CHARGE * sum(t.size for t in flat.tables)
-    if min(left, wall_left) < reducing:
+    if min(portfolio.WORK_PER_SECOND * left, wall_left) < reducing:
         return lb + offset, "trws", None  # less time left than reducing the pruned problem's tables takes
     kept = pruned_above(flat, node_terms, edge_terms, (ub - lb) + 1e-7 * abs(ub))  # in the problem's order
     problem = reduced.problem
