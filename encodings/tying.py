@@ -89,6 +89,10 @@ BOUND_PASS_SHARE = 0.8
 #: The passes stop early once doubling them closes less than this part of the gap to the tied plan
 #: (``bounds.trws_bound``'s ``stall``): an LP bound short of it, whose time the pruned search uses better.
 BOUND_STALL = 0.05
+#: Wall seconds an entry of the untied tables takes to start the pruned search (reducing, flattening, its
+#: first phases, none of which stop on the clock): Llama large on ``data=2,fsdp=2,model=2``, 70M entries,
+#: 7.4 s. With less of the net left the bound stays TRW-S's (the search overran the net by 4 s).
+PRUNED_SETUP_WALL = 1e-7
 #: Classes smaller than this are not worth an edge.
 MIN_CLASS = 2
 
@@ -376,9 +380,10 @@ def untied_bound(
         return upper, "trws", None
     wall_left = wall - (time.perf_counter() - started)
     left = time_limit - trws_charge(flat, ran[0]) / portfolio.WORK_PER_SECOND  # seconds, for ``encodings.solve``
-    reducing = ENTRY_CHARGE * sum(t.size for t in flat.tables)
-    if min(portfolio.WORK_PER_SECOND * left, wall_left) < reducing:
-        return lb + offset, "trws", None  # less time left than reducing the pruned problem's tables takes
+    entries = sum(t.size for t in flat.tables)
+    reducing = ENTRY_CHARGE * entries
+    if min(portfolio.WORK_PER_SECOND * left, wall_left) < reducing or wall_left < PRUNED_SETUP_WALL * entries:
+        return lb + offset, "trws", None  # less time left than reducing and starting the pruned search takes
     kept = pruned_above(flat, node_terms, edge_terms, (ub - lb) + 1e-7 * abs(ub))  # in the problem's order
     problem = reduced.problem
     nodes = tuple(
