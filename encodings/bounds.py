@@ -284,11 +284,9 @@ def trws_bound(
                     break
             if best >= target or late:
                 break
-            if stall and math.isfinite(target) and done >= STALL_FROM and done & (done - 1) == 0:
+            if stall and math.isfinite(target) and done >= STALL_FROM // 2 and done & (done - 1) == 0:
                 if done // 2 in at_half and best - at_half[done // 2] < stall * (target - best):
                     break
-                at_half[done] = best
-            elif stall and done == STALL_FROM // 2:
                 at_half[done] = best
     if decoded is not None:
         decoded.append(found if found is not None else decode())

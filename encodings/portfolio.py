@@ -281,22 +281,18 @@ def solve(
         raise ShardsolveError(f"invalid problem {problem.name!r}: {exc}") from None
     seconds = DEFAULT_TIME_LIMIT if time_limit is None else max(0.0, float(time_limit))
     budget = WORK_PER_SECOND * seconds
-    if wall_limit is None:
-        wall_limit, held = wall_net(seconds), False
-    else:
-        held = True
     if start is not None and len(start) != len(problem.nodes):
         raise ShardsolveError(f"start has {len(start)} strategies, but problem {problem.name!r} has "
                               f"{len(problem.nodes)} nodes; pass one strategy index per node")
     try:
         reduced = reduce(problem)
     except InfeasibleError:
-        net = wall_limit
+        net = wall_net(seconds) if wall_limit is None else wall_limit
         return infeasible_solution(problem, started, {"reduced": False}, net - (time.perf_counter() - started)
                                    if explain else None)
     with frozen_heap():
         return Portfolio(problem, reduced, budget, started, seed=seed, workers=workers, progress=progress,
-                         incumbent=incumbent, wall_limit=wall_limit, start=start, explain=explain, held=held).run()
+                         incumbent=incumbent, wall_limit=wall_limit, start=start, explain=explain).run()
 
 
 def infeasible_solution(problem: Problem, started: float, stats: dict, explain_s: float | None) -> Solution:
@@ -342,8 +338,7 @@ class Portfolio:
 
     def __init__(self, problem: Problem, reduced: Reduced, budget: float, started: float, *, seed: int = 0,
                  workers: int | None = None, progress: Progress | None = None, incumbent: dict | None = None,
-                 wall_limit: float | None = None, start: Sequence[int] | None = None, explain: bool = True,
-                 held: bool | None = None):
+                 wall_limit: float | None = None, start: Sequence[int] | None = None, explain: bool = True):
         self.problem = problem
         self.explain = explain  # an infeasible answer looks for its conflict
         self.start = None if start is None else reduced.project(start)  # -1: a strategy the reductions dropped
@@ -355,8 +350,7 @@ class Portfolio:
         self.report = progress or _quiet
         self.total_budget = budget
         self.wall_limit = wall_net(budget / WORK_PER_SECOND) if wall_limit is None else max(0.0, float(wall_limit))
-        # a caller's net: no step runs past it (``past_net``)
-        self.held = (wall_limit is not None) if held is None else held
+        self.held = wall_limit is not None  # a caller's net: no step runs past it (``past_net``)
         self.stats: dict = dict(reduced.stats)
         self.stats["reduce_s"] = round(time.perf_counter() - started, 3)
         self.budget = budget - reduced.stats.get("reduce_deterministic_s", 0.0)  # checking and reducing the input

@@ -324,7 +324,7 @@ def _ball(flat: Flat, seeds: list[int], allowed: np.ndarray, size: int, entries:
         if not seen[s]:
             seen[s] = True
             order.append(s)
-    held = 0.0 if math.isinf(entries) else float(sum(_entries_joining(flat, s, seen) for s in order))
+    held = 0.0 if math.isinf(entries) else float(_entries_of(flat, order))
     head = 0
     while head < len(order) and len(order) < size:
         i = order[head]
