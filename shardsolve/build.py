@@ -11,7 +11,11 @@ One problem node per decision:
 
 An edge joins a value's producer to each consumer, costing the reshard time
 from the producer's result sharding to the sharding the consumer's strategy
-needs (``cost.reshard_time``; impossible reshards are forbidden). A node's
+needs (``cost.reshard_time``; impossible reshards are forbidden). Where
+several operations read a value and may reshard it, a *hub* node (the layout
+it is resharded to once, for all of them) sits between the producer and its
+readers, so a layout the reshard cache serves to several readers is paid
+once, as the plan runs it (``add_reads``). A node's
 memory is the per-device bytes of the values it produces, live from its own
 time step to the last reader's, as XLA's compiled program holds them:
 arguments, constants and outputs (allocated by their output nodes) for the
@@ -42,7 +46,8 @@ method                 adds
 ``add_operands``       beside each op node: the operand layouts it reads and its scratch, live during its step
 ``add_scan``           a scan's boundary nodes (``add_scan_operands``), its body's
                        closed-over constants, its body's ops, its y-slices
-``read_edge``          the edge from a value's producer to one consumer
+``read_edge``          notes a read of a value by one consumer
+``add_reads``          the reads' edges: producer -> consumer, or through the value's hub
 ``add_outputs``        output nodes, pinned by ``out_shardings``
 ``add_ties``           carry pairs: an argument and its next value share a sharding
 =====================  ===========================================================
@@ -62,7 +67,7 @@ import bisect
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 
@@ -118,7 +123,7 @@ class NodeInfo:
 
     kind: str  # "input", "const", "op", "operands", "output", "scan-const", "scan-carry", "scan-xs", "scan-ys",
     # "scan-body-const", "merged" (a merge key's latency: ``share_merged_latency``), "kept" (a layout the
-    # reshard cache keeps: ``add_kept_layouts``)
+    # reshard cache keeps: ``add_kept_layouts``), "hub" (the layout a value's readers share: ``add_reads``)
     ref: int  # value id (input/const), op id, or output position
     shardings: tuple[Sharding, ...] = ()  # for input/const/output nodes: strategy -> sharding
     rule: Rule | None = None
@@ -131,11 +136,12 @@ class NodeInfo:
 class Read:
     """An edge of the program (scope ``()``): node ``to`` reads value ``value`` in layouts ``dst`` (ids)."""
 
-    producer: int
+    producer: int  # the node the read's edge starts from: the value's producer, or its hub (``add_reads``)
     to: int
     value: int
     consumer: int | None  # the reading op's id (a scan's for its boundary nodes); None for an output
     dst: np.ndarray
+    src: np.ndarray | None = None  # layout ids per strategy of ``producer`` where it is a hub (None: the value's)
 
 
 @dataclass
@@ -505,7 +511,11 @@ class ProblemBuilder:
         # once, before the loop (see ``schedule.loop_invariant_demands``): their reads cost the scan's scale.
         self.invariant_scale: dict[tuple, float] = {}
         self.uneven_arguments: set[int] = set()  # arguments with a candidate that splits them unevenly
-        self.reads: list[Read] = []  # the program's reads (scope ()), for ``share_merged_latency``
+        self.reads: list[Read] = []  # the program's reads (scope ()), for ``add_kept_layouts``
+        self.edge_reads: list[Read] = []  # the same as their edges run them (``add_reads``): ``share_merged_latency``
+        # (scope, value id) -> (value, producer node, [(reader node, layout ids per strategy, scale, consumer)])
+        self.pending_reads: dict[tuple, tuple[Any, int, list[tuple[int, np.ndarray, float, int | None]]]] = {}
+        self.hub_at: dict[tuple, int] = {}  # (scope, value id) -> the node its reads may share (``reserve_hub``)
         self.plain_edges: dict[tuple[int, int], np.ndarray] | None = None
         self.merge_terms: list[MergeTerm] = []
 
@@ -516,6 +526,7 @@ class ProblemBuilder:
         self.add_ops(self.graph, (), 1.0, None, "")
         self.add_outputs(out_pins)
         self.add_ties(ties)
+        self.add_reads(counted=memory_limit is not None)
         if memory_limit is not None and self.options.kept_layouts:
             self.add_kept_layouts()
         self.share_merged_latency()
@@ -543,6 +554,16 @@ class ProblemBuilder:
         """Value ``key`` = (scope, value id) is made by node ``idx``, as ``shardings[s]`` under its strategy ``s``."""
         self.produced_at[key] = (idx, shardings)
         self.ids_at[key] = self.tables.ids(shardings) if ids is None else ids
+        self.reserve_hub(key)
+
+    def reserve_hub(self, key: tuple) -> None:
+        """A place, right after value ``key``'s producer, for the hub of its reads (``add_reads``) where two or
+        more operations read it: the hub then comes before its readers, in program order like them."""
+        scope, v = key
+        g = self.graph if not scope else self.scans[scope].body
+        if len({k for k, _ in g.consumers.get(v, ())}) >= 2:
+            self.hub_at[key] = self.add(Node(f"{g.values[v].name} shared reads", np.zeros(1), np.zeros(1)),
+                                        NodeInfo("hub", v, scope=scope))
 
     def add_edge(self, u: int, v: int, table: np.ndarray) -> None:
         if u == v:  # a scan body handing a carry straight back: same node, same sharding
@@ -563,12 +584,102 @@ class ProblemBuilder:
             table = np.array([[min(reshard_time_given(value.shape, value.itemsize, s, shardings[t], mesh,
                                                       s.evened(value.shape, mesh)), FORBIDDEN) for t in dst]
                               for s in srcs], dtype=np.float64)
-        else:
-            table = self.tables.table(value.shape, value.itemsize, self.ids_at[(scope, x)], dst)
-            if not scope and scale == 1:
-                info = self.infos[to]
-                self.reads.append(Read(producer, to, x, info.ref if info.kind != "output" else None, dst))
-        self.add_edge(producer, to, table * scale if scale != 1 else table)
+            self.add_edge(producer, to, table * scale if scale != 1 else table)
+            return
+        info = self.infos[to]
+        consumer = info.ref if info.kind != "output" else None
+        if not scope and scale == 1:
+            self.reads.append(Read(producer, to, x, consumer, dst))
+        self.pending_reads.setdefault((scope, x), (value, producer, []))[2].append((to, dst, scale, consumer))
+
+    def add_reads(self, counted: bool = False) -> None:
+        """The edges of every read ``read_edge`` noted, priced as the reshard cache runs them.
+
+        The schedule (``shardsolve.schedule``) makes each layout of a value
+        once and serves later reads from it, so a pairwise edge per read pays
+        a shared reshard once per reader (three readers of a pending sum that
+        all need it whole: three all-reduces priced, one run). Per value:
+
+        * one reader's reads (``x * x``) pay each distinct layout once;
+        * two or more readers that may reshard share a *hub* node: its
+          strategy is the layout the value is resharded to for them (any
+          source layout or layout a reader takes); the producer's edge pays
+          source -> hub once, each reader's pays hub -> its layouts. With the
+          hub in the producer's own layout that is the edge per read, so no
+          plan is priced above it; a hub elsewhere prices a layout made once
+          for several readers (a reader taking another pays from the hub's
+          layout, where the cache may start).
+
+        With ``counted`` (a memory limit), a hub's layouts come twice: the
+        producer's own (no bytes: the producer's buffer) and made by a
+        reshard, held from the first read's step to the last's (the cache
+        keeps it for the later reads). The program's reads, as their edges
+        run them, go to ``edge_reads`` (``share_merged_latency``).
+        """
+        tables = self.tables
+        sums = None
+        for key, (value, producer, reads) in self.pending_reads.items():
+            src = self.ids_at[key]
+            by_reader: dict[int, list[tuple[np.ndarray, float, int | None]]] = {}
+            for to, dst, scale, consumer in reads:
+                by_reader.setdefault(to, []).append((dst, scale, consumer))
+            # a reader's reads in layouts an earlier read of it takes are served from the cache
+            distinct = {to: [r for k, r in enumerate(rs) if not any(np.array_equal(r[0], q[0]) for q in rs[:k])]
+                        for to, rs in by_reader.items()}
+            program = not key[0] and all(scale == 1 for _, _, scale, _ in reads)
+            direct = {to: self._read_table(value, src, read) for to, read in by_reader.items()}
+            scales = {scale for _, _, scale, _ in reads}
+            resharding = sum(bool(np.any((t > 0) & (t < FORBIDDEN))) for t in direct.values())
+            if key not in self.hub_at or resharding < 2 or len(scales) > 1:  # (a hub left unused: one strategy)
+                for to, table in direct.items():
+                    self.add_edge(producer, to, table)
+                    if program:
+                        self.edge_reads.extend(Read(producer, to, key[1], c, dst) for dst, _, c in distinct[to])
+                continue
+            (scale,) = scales
+            hub = np.unique(np.concatenate([src] + [dst for _, dst, _, _ in reads]))
+            made = tables.table(value.shape, value.itemsize, src, hub)
+            made = made * scale if scale != 1 else made
+            rows = [self._read_table(value, hub, read) for read in by_reader.values()]
+            usage, interval, labels = np.zeros(len(hub)), (0, 0), [str(tables.shardings[i]) for i in hub]
+            if counted:  # the layout made is a buffer from the first read to the last; the value's own is not
+                steps = [self.nodes[to].interval[0] for to in by_reader]
+                usage = np.concatenate([usage, [tables.shardings[i].local_bytes(value.shape, value.itemsize,
+                                                                                 self.mesh) for i in hub]])
+                interval = (min(steps), max(steps) + 1)
+                own = np.where(src[:, None] == hub[None, :], 0.0, FORBIDDEN)
+                made, hub = np.concatenate([own, made], axis=1), np.concatenate([hub, hub])
+                rows = [np.concatenate([r, r]) for r in rows]
+                labels = [f"{label} (own)" for label in labels] + [f"{label} (made)" for label in labels]
+            idx = self.hub_at[key]
+            self.nodes[idx] = Node(self.nodes[idx].name, np.zeros(len(hub)), usage, interval, tuple(labels))
+            self.infos[idx] = NodeInfo("hub", key[1], tuple(tables.shardings[i] for i in hub), scope=key[0])
+            self.add_edge(producer, idx, made)
+            for to, row in zip(by_reader, rows):
+                self.add_edge(idx, to, row)
+            if program:
+                if sums is None:
+                    sums = self.graph.reaching(self.pending_sums(), together=True)
+                # the hub's reshard runs before every reader: terminal where each of them is
+                consumers = [c for _, _, _, c in reads]
+                later = [c for c in consumers if c is not None and sums[c]]
+                self.edge_reads.append(Read(producer, idx, key[1], later[0] if later else consumers[0], hub))
+                self.edge_reads.extend(Read(idx, to, key[1], c, dst, hub)
+                                       for to in by_reader for dst, _, c in distinct[to])
+        self.pending_reads.clear()
+
+    def _read_table(self, value: Any, rows: np.ndarray, reads: Sequence[tuple]) -> np.ndarray:
+        """One reader's reads of ``value`` ((layout ids per its strategy, scale, ...)) from layouts ``rows``: each layout
+        its strategy takes paid once (a layout an earlier read takes is served from the reshard cache)."""
+        total = None
+        for k, (dst, scale, *_) in enumerate(reads):
+            t = self.tables.table(value.shape, value.itemsize, rows, dst)
+            if k:
+                again = np.any(np.stack([r[0] == dst for r in reads[:k]]), axis=0)
+                t = np.where(again[None, :], 0.0, t)
+            t = t * scale if scale != 1 else t
+            total = t if total is None else total + t
+        return total
 
     def pending_sums(self) -> list[int]:
         """The program's values that may start a pending sum.
@@ -592,6 +703,21 @@ class ProblemBuilder:
             if starts:
                 starting.append(v)
         return starting
+
+    def terminal_reads(self) -> list[tuple[Read, dict[tuple, np.ndarray]]]:
+        """The program's terminal reads that may run a mergeable collective, with its latency per merge key
+        (``share_merged_latency``)."""
+        tables, values = self.tables, self.graph.values
+        sums = self.graph.reaching(self.pending_sums(), together=True)
+        found = []
+        for r in self.edge_reads:
+            if r.consumer is not None and sums[r.consumer]:
+                continue
+            lat = tables.mergeable_latency(values[r.value].shape, values[r.value].itemsize,
+                                           self.ids_at[((), r.value)] if r.src is None else r.src, r.dst)
+            if lat:
+                found.append((r, lat))
+        return found
 
     def share_merged_latency(self) -> None:
         """Price the program's last reductions as XLA runs them: merged, one latency for all of them.
@@ -618,15 +744,10 @@ class ProblemBuilder:
         The plan's price of its own collectives (``plan.combined_latencies``)
         follows the merges of the plan it gets.
         """
-        tables, values, mesh, edges = self.tables, self.graph.values, self.mesh, self.edges
-        latency = [tables.mergeable_latency(values[r.value].shape, values[r.value].itemsize,
-                                            self.ids_at[((), r.value)], r.dst) for r in self.reads]
-        sums = self.graph.reaching(self.pending_sums(), together=True)
+        mesh, edges = self.mesh, self.edges
         pinned = {p.node: list(p.allowed) for p in self.pins}
         terminal: dict[tuple, list[tuple[Read, np.ndarray, np.ndarray]]] = {}
-        for r, lat in zip(self.reads, latency):
-            if not lat or (r.consumer is not None and sums[r.consumer]):
-                continue
+        for r, lat in self.terminal_reads():
             edge = edges[(r.producer, r.to)] if (r.producer, r.to) in edges else edges[(r.to, r.producer)].T
             allowed = edge < FORBIDDEN
             if r.to in pinned:  # a pinned reader takes only its pinned layouts
@@ -788,6 +909,7 @@ class ProblemBuilder:
             leave = tables.ids([c.evened(value.shape, mesh) for c in cands])
             self.edges[(producer, idx)] = tables.table(value.shape, value.itemsize, self.ids_at[((), x)], leave)
             self.reads.append(Read(producer, idx, x, None, leave))
+            self.edge_reads.append(self.reads[-1])
 
     def add_ties(self, ties: Sequence[tuple[int, int]]) -> None:
         """(argument leaf, output leaf) pairs take the same sharding: a forbidden cost off the diagonal."""
@@ -868,6 +990,7 @@ class ProblemBuilder:
         for r, v in enumerate(op.outputs):
             produced_at[(scope, v)] = (idx, [s.results[r] for s in rs.strategies])
             ids_at[(scope, v)] = rs.result_ids[r]
+            self.reserve_hub((scope, v))
         read_edge = self.read_edge
         for k, x in enumerate(op.inputs):
             if not isinstance(x, Lit):

@@ -196,8 +196,8 @@ def memory_profile(graph: Graph, built: Built, assignment: Sequence[int], schedu
     delta = np.zeros(horizon + 2, dtype=np.float64)
     allocations: list[tuple[float, int]] = []  # (bytes, the first step the output's allocation is in use)
     for k, (node, info) in enumerate(zip(problem.nodes, built.nodes)):
-        if (info.kind in ("op", "operands", "kept") and not info.scope) or k in skip:
-            continue  # counted above, from the schedule
+        if (info.kind in ("op", "operands", "kept") and not info.scope) or info.kind == "hub" or k in skip:
+            continue  # counted above, from the schedule (a hub holds nothing)
         usage = float(node.usages[assignment[k]])
         if info.kind == "output":
             x = graph.outputs[info.ref]

@@ -273,3 +273,42 @@ def test_merges_priced_as_the_plan_makes_them_when_optimism_misleads(models_dir)
     compiled = judge("shardsolve", plan.jit().lower(*model.args).compile(), plan.mesh)
     assert [c.kind for c in compiled.collectives] == ["all-reduce"]
     assert compiled.communication == pytest.approx(plan.cost.communication, rel=1e-6)
+
+
+def _three_readers(x, w):
+    """``y = x @ w`` is a pending sum over ``model``, read by three elementwise ops that cannot take it pending."""
+    y = x @ w
+    return jnp.sum(jnp.sin(y) * jnp.cos(y) * jnp.exp(y), axis=0)
+
+
+def _three_outputs(x, w):
+    """The same three readers, each an output: the reduction is a terminal read (``share_merged_latency``)."""
+    y = x @ w
+    return jnp.sin(y), jnp.cos(y), jnp.exp(y)
+
+
+@pytest.mark.parametrize("program", [_three_readers, _three_outputs])
+def test_a_layout_shared_by_several_readers_is_priced_once(program):
+    """Three readers need the pending sum ``x @ w`` reduced: the reshard cache reduces it once for all of them,
+    and the solver prices it so (the value's hub), so its objective is the plan's own step time; priced once per
+    reader, the objective would be three times the communication."""
+    x, w = _rand((16, 4096)), _rand((4096, 16), 1)
+    plan = shardsolve.plan(program, x, w, mesh="model=8", in_shardings=(P(None, "model"), P("model", None)))
+    assert len(plan.collectives) == 1, plan.collectives
+    assert plan.cost.communication > 0
+    assert plan.cost.objective == pytest.approx(plan.cost.total, rel=1e-9)
+    compiled = judge("shardsolve", plan.jit().lower(x, w).compile(), plan.mesh)
+    assert compiled.communication == pytest.approx(plan.cost.communication, rel=1e-6)
+
+
+def test_a_reader_of_one_value_twice_pays_its_layout_once():
+    """``max(y, y)`` reads the pending sum twice in one layout: one reshard runs, and one is priced."""
+    x, w = _rand((16, 4096)), _rand((4096, 16), 1)
+
+    def twice(x, w):
+        y = x @ w
+        return jnp.sum(jnp.maximum(y, y), axis=0)
+
+    plan = shardsolve.plan(twice, x, w, mesh="model=8", in_shardings=(P(None, "model"), P("model", None)))
+    assert len(plan.collectives) == 1, plan.collectives
+    assert plan.cost.objective == pytest.approx(plan.cost.total, rel=1e-9)

@@ -245,7 +245,7 @@ def test_uneven_output_pin_leaves_evened():
     assert plan.jit()(*args)[0].sharding.spec == P()
 
 
-@pytest.mark.parametrize("seed", [1, 7])
+@pytest.mark.parametrize("seed", [1, 5])
 def test_uneven_output_is_gathered_to_its_evened_layout_as_predicted(seed):
     """Produced in shards of 3 rows, the 10-row output is all-gathered (4 padded shards) before it leaves."""
     args = _chain_args()
@@ -347,7 +347,7 @@ def test_scan_body_runs_uneven_intermediates():
         return jax.lax.scan(body, c, xs)
 
     args = (_rand((6,), 0), _rand((3, 10, 6), 1), _rand((6, 6), 2))
-    plan = plan_with_solver(random_solver(3), f, *args, mesh=MESH)
+    plan = plan_with_solver(random_solver(4), f, *args, mesh=MESH)
     scan = next(op for op in plan.graph.ops if op.primitive == "scan")
     body, body_plans = plan.graph.body(scan), plan.ops[scan.id].body
     assert any(not r.divides(body.values[v].shape, plan.mesh)
