@@ -480,6 +480,13 @@ class RuleStrategies:
         )
 
 
+#: A value's reads share a hub (``ProblemBuilder.add_reads``) only where it has at most this many layouts: on
+#: three-axis meshes (100 to 340 layouts a value) hubs added a third to the table entries, and the search of
+#: Llama large on 2x2x2 lost its way (72.3 ms with a 32% gap at 30 s, against 55.5 ms and 4.4% without them);
+#: two-axis meshes have at most 47.
+HUB_MAX_LAYOUTS = 64
+
+
 class ProblemBuilder:
     """Builds the ``Problem`` of one program, section by section (see the module docstring).
 
@@ -611,7 +618,8 @@ class ProblemBuilder:
         all need it whole: three all-reduces priced, one run). Per value:
 
         * one reader's reads (``x * x``) pay each distinct layout once;
-        * two or more readers that may reshard share a *hub* node: its
+        * two or more readers that may reshard share a *hub* node (where the
+          value has at most ``HUB_MAX_LAYOUTS`` layouts among them): its
           strategy is the layout the value is resharded to for them (any
           source layout or layout a reader takes); the producer's edge pays
           source -> hub once, each reader's pays hub -> its layouts. With the
@@ -634,18 +642,18 @@ class ProblemBuilder:
             # a reader's reads in layouts an earlier read of it takes are served from the cache
             distinct = {to: [r for k, r in enumerate(rs) if not any(np.array_equal(r[0], q[0]) for q in rs[:k])]
                         for to, rs in by_reader.items()}
-            program = not key[0] and all(scale == 1 for _, _, scale, _ in reads)
             direct = {to: self._read_table(value, src, read) for to, read in by_reader.items()}
             scales = {scale for _, _, scale, _ in reads}
             resharding = sum(bool(np.any((t > 0) & (t < FORBIDDEN))) for t in direct.values())
-            if key not in self.hub_at or resharding < 2 or len(scales) > 1:  # (a hub left unused: one strategy)
-                for to, table in direct.items():
+            hub = np.unique(np.concatenate([src] + [dst for _, dst, _, _ in reads]))
+            if key not in self.hub_at or resharding < 2 or len(scales) > 1 or len(hub) > HUB_MAX_LAYOUTS:
+                for to, table in direct.items():  # (a hub left unused: one strategy)
                     self.add_edge(producer, to, table)
-                    if program:
-                        self.edge_reads.extend(Read(producer, to, key[1], c, dst) for dst, _, c in distinct[to])
+                    if not key[0]:
+                        self.edge_reads.extend(Read(producer, to, key[1], c, dst)
+                                               for dst, scale, c in distinct[to] if scale == 1)
                 continue
             (scale,) = scales
-            hub = np.unique(np.concatenate([src] + [dst for _, dst, _, _ in reads]))
             made = tables.table(value.shape, value.itemsize, src, hub)
             made = made * scale if scale != 1 else made
             rows = [self._read_table(value, hub, read) for read in by_reader.values()]
@@ -656,7 +664,7 @@ class ProblemBuilder:
             self.add_edge(producer, idx, made)
             for to, row in zip(by_reader, rows):
                 self.add_edge(idx, to, row)
-            if program:
+            if not key[0] and scale == 1:
                 if sums is None:
                     sums = self.graph.reaching(self.pending_sums(), together=True)
                 # the hub's reshard runs before every reader: terminal where each of them is
