@@ -232,6 +232,11 @@ class Built:
     # The problem's edges without ``share_merged_latency``'s optimistic discounts (None: it made none).
     plain_edges: tuple[Edge, ...] | None = None
     merge_terms: tuple[MergeTerm, ...] = ()  # the reads those discounts were taken from
+    # Built under a memory limit: the same program built without it (its reads sharing hubs, which a limited
+    # problem leaves out: ``ProblemBuilder.reserve_hub``), nodes in the same order, for the plan without the limit.
+    unlimited: Built | None = None
+    # hub node -> (its value's producer node, the hub strategy of the producer's own layout per producer strategy)
+    hub_sources: dict[int, tuple[int, np.ndarray]] = field(default_factory=dict)
 
     def plain(self) -> Built:
         """This problem with the edges that pay every latency merging may not save (itself if none)."""
@@ -497,7 +502,8 @@ class ProblemBuilder:
     ``ReshardTables`` ids).
     """
 
-    def __init__(self, graph: Graph, mesh: MeshSpec, options: BuildOptions = BuildOptions()):
+    def __init__(self, graph: Graph, mesh: MeshSpec, options: BuildOptions = BuildOptions(),
+                 tables: ReshardTables | None = None):
         self.graph = graph
         self.mesh = mesh
         self.options = options
@@ -509,7 +515,7 @@ class ProblemBuilder:
         self.op_node: dict[int, int] = {}
         self.output_node: dict[int, int] = {}
         self.edges: dict[tuple[int, int], np.ndarray] = {}
-        self.tables = ReshardTables(mesh, impossible=FORBIDDEN)
+        self.tables = ReshardTables(mesh, impossible=FORBIDDEN) if tables is None else tables  # (shareable)
         self.produced_at: dict[tuple, tuple[int, list[Sharding]]] = {}
         self.ids_at: dict[tuple, np.ndarray] = {}
         self.rule_cache: dict[tuple, RuleStrategies] = {}
@@ -523,6 +529,7 @@ class ProblemBuilder:
         # (scope, value id) -> (value, producer node, [(reader node, layout ids per strategy, scale, consumer)])
         self.pending_reads: dict[tuple, tuple[Any, int, list[tuple[int, np.ndarray, float, int | None]]]] = {}
         self.memory_limit: float | None = None
+        self.hub_sources: dict[int, tuple[int, np.ndarray]] = {}  # ``Built.hub_sources``
         self.hub_at: dict[tuple, int] = {}  # (scope, value id) -> the node its reads may share (``reserve_hub``)
         self.plain_edges: dict[tuple[int, int], np.ndarray] | None = None
         self.merge_terms: list[MergeTerm] = []
@@ -550,7 +557,7 @@ class ProblemBuilder:
             plain = tuple(Edge(u, v, np.minimum(self.plain_edges.get((u, v), c), FORBIDDEN))
                           for (u, v), c in self.edges.items())
         return Built(problem, self.infos, self.op_node, self.value_node, self.output_node, self.scans, plain,
-                     tuple(self.merge_terms) if plain is not None else ())
+                     tuple(self.merge_terms) if plain is not None else (), hub_sources=self.hub_sources)
 
     # -- nodes and edges ---------------------------------------------------------------
 
@@ -569,13 +576,12 @@ class ProblemBuilder:
         """A place, right after value ``key``'s producer, for the hub of its reads (``add_reads``) where two or
         more operations read it: the hub then comes before its readers, in program order like them.
 
-        None under a memory limit: a layout made once for several readers is a buffer from the first read to
-        the last, which a hub's strategy alone cannot count (the producer's own layout holds nothing more),
-        and counted through a pair of strategies per layout tied to the producer's, the limited search
-        lost its way (GPT-2 small on 2x4 at the expert's memory: 0.15x the expert, 0.64x without hubs).
+        Left unused (one strategy, no edges) under a memory limit, so that the problem without the limit
+        has its nodes in the same order: a layout made once for several readers is a buffer from the first
+        read to the last, which a hub's strategy alone cannot count (the producer's own layout holds nothing
+        more), and counted through a pair of strategies per layout tied to the producer's, the limited
+        search lost its way (GPT-2 small on 2x4 at the expert's memory: 0.15x the expert, 0.64x without hubs).
         """
-        if self.memory_limit is not None:
-            return
         scope, v = key
         g = self.graph if not scope else self.scans[scope].body
         if len({k for k, _ in g.consumers.get(v, ())}) >= 2:
@@ -646,7 +652,8 @@ class ProblemBuilder:
             scales = {scale for _, _, scale, _ in reads}
             resharding = sum(bool(np.any((t > 0) & (t < FORBIDDEN))) for t in direct.values())
             hub = np.unique(np.concatenate([src] + [dst for _, dst, _, _ in reads]))
-            if key not in self.hub_at or resharding < 2 or len(scales) > 1 or len(hub) > HUB_MAX_LAYOUTS:
+            if (key not in self.hub_at or self.memory_limit is not None or resharding < 2 or len(scales) > 1
+                    or len(hub) > HUB_MAX_LAYOUTS):
                 for to, table in direct.items():  # (a hub left unused: one strategy)
                     self.add_edge(producer, to, table)
                     if not key[0]:
@@ -661,6 +668,7 @@ class ProblemBuilder:
             self.nodes[idx] = Node(self.nodes[idx].name, np.zeros(len(hub)), np.zeros(len(hub)), (0, 0),
                                    tuple(str(tables.shardings[i]) for i in hub))
             self.infos[idx] = NodeInfo("hub", key[1], tuple(tables.shardings[i] for i in hub), scope=key[0])
+            self.hub_sources[idx] = (producer, np.searchsorted(hub, src))
             self.add_edge(producer, idx, made)
             for to, row in zip(by_reader, rows):
                 self.add_edge(idx, to, row)
@@ -1158,7 +1166,8 @@ def tie_axes(built: Built, graph: Graph, ties: Sequence[AxisTie],
     p = built.problem
     problem = Problem(p.nodes, tied(p.edges), p.usage_limit, tuple(pins), p.name)
     plain = None if built.plain_edges is None else tied(built.plain_edges)
-    return dataclasses.replace(built, problem=problem, plain_edges=plain)
+    unlimited = None if built.unlimited is None else tie_axes(built.unlimited, graph, ties, whole)
+    return dataclasses.replace(built, problem=problem, plain_edges=plain, unlimited=unlimited)
 
 
 def build_problem(
@@ -1175,5 +1184,12 @@ def build_problem(
     ``in_pins``/``out_pins`` hold (sharding or None, label) per flattened
     argument/output; ``ties`` are (argument leaf, output leaf) pairs that must
     get the same sharding (a training step's state going round the loop).
+    Under a memory limit the result carries the problem without it too
+    (``Built.unlimited``).
     """
-    return ProblemBuilder(graph, mesh, options).build(in_pins, out_pins, memory_limit, ties)
+    tables = ReshardTables(mesh, impossible=FORBIDDEN)
+    built = ProblemBuilder(graph, mesh, options, tables).build(in_pins, out_pins, memory_limit, ties)
+    if memory_limit is None:
+        return built
+    unlimited = ProblemBuilder(graph, mesh, options, tables).build(in_pins, out_pins, None, ties)
+    return dataclasses.replace(built, unlimited=unlimited)

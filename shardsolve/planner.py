@@ -305,19 +305,36 @@ def _plan(fun, args, mesh, in_shardings, out_shardings, memory_limit, time_limit
 def search_plan(built: Built, time_limit: float | None, graph: Graph, mesh_spec: MeshSpec, fun: Callable,
                 args: tuple, source: str, limit: float | None, seed: int, tie: bool, say: Callable[[str], None],
                 progress, price: Callable[[Any], float], memory_check: str,
-                start: Sequence[int] | None = None, fastest: list | None = None) -> Plan:
+                start: Sequence[int] | None = None, fastest: list | None = None,
+                free_start: Sequence[int] | None = None) -> Plan:
     """The plan of ``built`` within ``time_limit``: solved, and under a memory limit held as compiled (``plan``'s
     ``memory_check``). ``start``: an assignment of ``built``'s problem the first solve starts from
     (``encodings.solve``'s ``start``); ``fastest`` (a list) gets the assignment of the first plan solved, the
     one without the memory limit where the compiled check probes it, whether or not the search then finds
-    one that fits."""
+    one that fits: (as an assignment of ``built``'s problem, of ``built.unlimited``'s or None), and
+    ``free_start`` is such a second one, for the probe."""
     check_compiled = limit is not None and memory_check == "compiled" and _devices_present(mesh_spec)
     unlimited = None
     if check_compiled:  # the fastest plan of all, where it fits as compiled, needs no search under the limit
-        unlimited = _unlimited_probe(graph, built, mesh_spec, fun, args, source, time_limit, seed, tie, say,
-                                     progress, price, start)
+        free = built if built.unlimited is None or not built.unlimited.hub_sources else built.unlimited
+        if free is not built and free_start is None and start is not None:
+            free_start = adopted(start, built, free)
+        share = UNLIMITED_SHARE if free is built else UNLIMITED_SHARE / 2  # (halves: a second probe below)
+        unlimited = _unlimited_probe(graph, free, mesh_spec, fun, args, source, time_limit, seed, tie, say,
+                                     progress, price if free is built else _pricing(graph, free, mesh_spec, fun, source),
+                                     start if free is built else free_start, share)
+        raw = None if unlimited is None or free is built else unlimited[2]
+        if raw is not None:  # the search goes on in ``built``'s problem
+            unlimited = (unlimited[0], unlimited[1], adopted(raw, free, built))
         if unlimited is not None and fastest is not None:
-            fastest.append(unlimited[2])
+            fastest.append((unlimited[2], raw))
+        if raw is not None and unlimited[1] > limit:
+            # Shared layouts live from their first read to their last: the plan priced without them (each
+            # read from the value's own layout) needs less memory and may fit (Llama large on 2x4 at the
+            # expert's 5.98 GiB: 53.6 ms, where the search from the plan with them ended at 56.7 ms).
+            plain = _unlimited_probe(graph, built, mesh_spec, fun, args, source, time_limit, seed, tie, say,
+                                     progress, price, unlimited[2], share)
+            unlimited = unlimited if plain is None else plain
     if unlimited is not None and unlimited[1] <= limit:
         say("the plan without the memory limit fits it as compiled: done")
         plan, compiled, _ = unlimited
@@ -342,7 +359,7 @@ def search_plan(built: Built, time_limit: float | None, graph: Graph, mesh_spec:
             interrupt.plan = to_plan(graph, built, best, mesh_spec, fun, source)
         raise interrupt from None
     if fastest is not None and unlimited is None and _found(solution):
-        fastest.append(tuple(solution.assignment))
+        fastest.append((tuple(solution.assignment), None))
     if check_compiled:  # an interrupt here carries the best plan that fits as compiled, or none
         return _within_compiled_memory(graph, built, solution, mesh_spec, fun, args, source, limit, time_limit,
                                        seed, tie, say, progress, price, unlimited, internal)
@@ -371,7 +388,9 @@ def _hinted(graph: Graph, built: Built, hints: Any, mesh: MeshSpec) -> Built | N
         pins.append(Pin(node, (cands.index(sharding),), label))
     if len(pins) == len(built.problem.pins):
         return None
-    return dataclasses.replace(built, problem=dataclasses.replace(built.problem, pins=tuple(pins)))
+    unlimited = None if built.unlimited is None else _hinted(graph, built.unlimited, hints, mesh)
+    return dataclasses.replace(built, problem=dataclasses.replace(built.problem, pins=tuple(pins)),
+                               unlimited=unlimited)
 
 
 def _with_hint(built: Built, hinted: Built, time_limit: float | None, search: tuple,
@@ -387,7 +406,7 @@ def _with_hint(built: Built, hinted: Built, time_limit: float | None, search: tu
     try:  # from the fastest plan without the hints (the hinted arguments repaired): in its share of the time,
         # the hinted search finds its own far from the optimum on large problems (GPT-2 large: 69 ms, 31 ms from it)
         hint_plan = search_plan(hinted, _share(time_limit, HINT_SHARE), *search,
-                                start=fastest[0] if fastest else None)
+                                start=fastest[0][0] if fastest else None, free_start=fastest[0][1] if fastest else None)
     except ShardsolveError:
         hint_plan = None
     except KeyboardInterrupt as interrupt:  # the plan without the hints is complete: the best so far, or the hinted
@@ -502,23 +521,44 @@ def compiled_peak(plan: Plan, args: tuple) -> int:
     return compiled_memory(plan.jit().lower(*abstract).compile()).peak
 
 
+def adopted(assignment: Sequence[int], source: Built, target: Built) -> tuple[int, ...]:
+    """An assignment of ``source``'s problem as one of ``target``'s, the same program built otherwise (with or
+    without a memory limit: ``Built.unlimited``): a node with the same strategies keeps its strategy; a hub
+    the source leaves unused takes the producer's own layout (each read priced from it, as in the source); a
+    hub the target leaves unused, or a node of its own (a merged latency's), its last (one strategy; on)."""
+    nodes, kept = target.problem.nodes, source.problem.nodes
+    adopted = [int(assignment[k]) if k < len(kept) and kept[k].labels == node.labels
+               and node.num_strategies == kept[k].num_strategies else node.num_strategies - 1
+               for k, node in enumerate(nodes)]
+    for hub, (producer, own) in target.hub_sources.items():
+        if hub >= len(kept) or kept[hub].num_strategies == 1:  # unused in the source: the producer's own layout
+            adopted[hub] = int(own[adopted[producer]])
+    return tuple(adopted)
+
+
+def _pricing(graph: Graph, built: Built, mesh: MeshSpec, fun: Callable, source: str) -> Callable[[Any], float]:
+    """A solution's step time as its plan counts it, for solutions of ``built``'s problem."""
+    return lambda solution: to_plan(graph, built, solution, mesh, fun, source).cost.total
+
+
 def _unlimited_probe(graph: Graph, built: Built, mesh: MeshSpec, fun: Callable, args: tuple, source: str,
                      time_limit: float | None, seed: int, tie: bool, say: Callable[[str], None], progress,
                      price: Callable[[Any], float] | None,
-                     start: Sequence[int] | None = None) -> tuple[Plan, int, tuple[int, ...]] | None:
+                     start: Sequence[int] | None = None,
+                     share: float = UNLIMITED_SHARE) -> tuple[Plan, int, tuple[int, ...]] | None:
     """The plan solved without the memory limit (from ``start`` where given), its compiled peak and its
     assignment (None where none was found).
 
     It is the fastest plan in the model; where its compiled program fits the
     limit, nothing slower need be searched for, and where it does not, its
     planned and compiled peaks tell the search how far the model is off. It
-    gets ``UNLIMITED_SHARE`` of ``time_limit``. Ctrl-C here hands back no
+    gets ``share`` of ``time_limit`` (``UNLIMITED_SHARE``, halved where a second probe may follow). Ctrl-C here hands back no
     plan: none is known to fit yet.
     """
     say(f"solving without the memory limit ({len(built.problem.nodes)} nodes, "
         f"{built.problem.num_strategies} strategies)")
     try:
-        free = _solve(_limited(built, None), _share(time_limit, UNLIMITED_SHARE), seed, tie, say if progress else None,
+        free = _solve(_limited(built, None), _share(time_limit, share), seed, tie, say if progress else None,
                       price, start)
     except KeyboardInterrupt:
         raise Interrupted(None) from None

@@ -48,7 +48,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Sequence
 
-from shardsolve.cost import ReshardStep, reshard_steps
+from shardsolve.cost import ReshardStep, collective_time, reshard_steps, reshard_time
 from shardsolve.errors import ShardsolveError
 from shardsolve.graph import Graph, Lit, Op, ScanBoundary, Value, scan_counts
 from shardsolve.mesh import MeshSpec
@@ -189,6 +189,14 @@ class _Scope:
     repeats: int
     prefix: str  # "" for the program, "%5 scan/" in the body of scan op 5
     anchor: int | None  # None for the program (a value anchors itself), else the enclosing scan's first result
+    made: dict[int, list[Sharding]] = field(default_factory=dict)  # ``seen`` by value, in the order made
+
+    def remember(self, pairs: Iterator[tuple[int, Sharding]] | Sequence[tuple[int, Sharding]]) -> None:
+        """Record (value, layout) pairs as made (the reshard cache)."""
+        for vid, layout in pairs:
+            if (vid, layout) not in self.seen:
+                self.seen.add((vid, layout))
+                self.made.setdefault(vid, []).append(layout)
 
 
 class _Builder:
@@ -209,7 +217,7 @@ class _Builder:
             arrived = s.evened(values[vid].shape, self.mesh)
             if arrived != s:
                 self.reshard(top, Site((), ARGUMENT, k), values[vid], vid, arrived, s, "arguments", cache=False)
-                top.seen.add((vid, arrived))
+                top.remember([(vid, arrived)])
         targets = [s if isinstance(x, Lit) else s.evened(values[x].shape, self.mesh)
                    for x, s in zip(graph.outputs, outputs)]  # an uneven output leaves evened
         self.walk(top, ops, targets, [f"outputs[{k}]" for k in range(len(graph.outputs))])
@@ -220,7 +228,9 @@ class _Builder:
         """Demand ``vid``, a value of ``at``'s graph, in ``target``, from ``start`` (running at ``site``).
 
         With the reshard cache (``at.seen``): a layout already made costs nothing, and the steps start
-        after the last layout along the way already made. ``cache=False``: the steps are not recorded as made.
+        after the last layout along the way already made, or from another layout made before where that
+        reaches the target for less (the solver prices a layout made once for several readers that way:
+        ``build.ProblemBuilder.add_reads``). ``cache=False``: the steps are not recorded as made.
         """
         if (vid, target) in at.seen:
             source, steps = target, ()
@@ -231,12 +241,27 @@ class _Builder:
                                       "inconsistent; plan the model again")
             known = [k for k, step in enumerate(path) if (vid, step.dst) in at.seen]
             source, steps = (path[known[-1]].dst, path[known[-1] + 1:]) if known else (start, path)
+            if cache and vid in at.made:
+                source, steps = self._cheapest(value, at.made[vid], source, steps, target)
             if cache:
-                at.seen.update((vid, step.dst) for step in steps)
+                at.remember((vid, step.dst) for step in steps)
         self.demands.append(Demand(
             site, at.scope, vid, source, target, tuple(steps), consumer, at.repeats, at.prefix + value.name,
             at.producer[vid], vid if at.anchor is None else at.anchor, into,
         ))
+
+    def _cheapest(self, value: Value, made: Sequence[Sharding], source: Sharding, steps: tuple[ReshardStep, ...],
+                  target: Sharding) -> tuple[Sharding, tuple[ReshardStep, ...]]:
+        """(source, steps) to ``target``: the given ones, or those from a layout in ``made`` that cost less."""
+        mesh = self.mesh
+        best = sum(collective_time(s.kind, s.axes, s.bytes, mesh) for s in steps if s.is_collective)
+        for layout in made:
+            if layout == source or not best > 0:
+                continue
+            t = reshard_time(value.shape, value.itemsize, layout, target, mesh)
+            if t < best * (1 - 1e-9):
+                source, steps, best = layout, reshard_steps(value.shape, value.itemsize, layout, target, mesh), t
+        return source, steps
 
     def walk(self, at: _Scope, ops: Sequence[Any], out_targets: Sequence[Sharding], out_names: Sequence[str]) -> None:
         """Demands of every op of ``at``'s graph, then of its outputs."""
@@ -275,7 +300,7 @@ class _Builder:
         )
         hoisted = loop_invariant_demands(body, len(b.consts), [o.operands for o in op_plan.body], b.body_outputs)
         self.loop_invariants(at, op, inner, hoisted, name)
-        inner.seen.update(hoisted)  # the body finds them made
+        inner.remember(hoisted)  # the body finds them made
         n_carry = len(b.carry)
         self.walk(inner, op_plan.body, b.body_outputs,
                   [f"{name.split(' [')[0]} " + (f"carry[{r}]" if r < n_carry else f"ys[{r - n_carry}]")

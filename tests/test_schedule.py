@@ -112,3 +112,39 @@ def test_an_unbound_plan_has_no_schedule(scan_plan):
     plan, _ = scan_plan
     with pytest.raises(shardsolve.ShardsolveError, match="not bound"):
         Plan.from_json(json.loads(plan.dumps())).schedule()
+
+
+def _shared(x, w, v):
+    y = x @ w  # a pending sum over "model", read by three operations
+    return jnp.sin(y) @ v + jnp.cos(y) * 2.0, jnp.tanh(y).sum(0)
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_a_reshard_starts_from_the_cheapest_layout_made(seed):
+    """A read in a layout not yet made reshards from whichever layout of the value made so far reaches it for
+    least (the solver prices a layout made once for several readers so), not only from the one it was made in
+    or a layout on that path; the rewriter runs the same steps (random strategies)."""
+    from shardsolve.cost import collective_time, reshard_steps, reshard_time
+
+    k = jax.random.split(jax.random.key(0), 3)
+    args = (jax.random.normal(k[0], (32, 64)), jax.random.normal(k[1], (64, 32)), jax.random.normal(k[2], (32, 32)))
+    plan = plan_with_solver(random_solver(seed), _shared, *args, mesh=MESH,
+                            in_shardings=(P(None, "model"), P("model", None), None))
+    own = {v: r for op, op_plan in zip(plan.graph.ops, plan.ops) for v, r in zip(op.outputs, op_plan.results)}
+    own |= dict(zip(plan.graph.inputs, plan.inputs))
+    made: dict[int, list] = {}
+    elsewhere = 0
+    for d in plan.schedule().demands:
+        value = plan.graph.values[d.value]
+        layouts = made.setdefault(d.value, [own[d.value]])
+        assert d.source in layouts
+        paid = sum(collective_time(s.kind, s.axes, s.bytes, plan.mesh) for s in d.steps if s.is_collective)
+        assert all(paid <= reshard_time(value.shape, value.itemsize, s, d.target, plan.mesh) * (1 + 1e-9)
+                   for s in layouts)
+        path = reshard_steps(value.shape, value.itemsize, own[d.value], d.target, plan.mesh) or ()
+        elsewhere += d.source != own[d.value] and d.source not in [s.dst for s in path]
+        layouts.extend(s.dst for s in d.steps if s.dst not in layouts)
+    assert elsewhere  # some read starts from a layout off its own path
+    outcome = check_lowering(plan, args)
+    assert outcome.numerics_ok, outcome.max_rel
+    assert outcome.predicted == outcome.lowered
