@@ -309,10 +309,10 @@ def search_plan(built: Built, time_limit: float | None, graph: Graph, mesh_spec:
                 free_start: Sequence[int] | None = None) -> Plan:
     """The plan of ``built`` within ``time_limit``: solved, and under a memory limit held as compiled (``plan``'s
     ``memory_check``). ``start``: an assignment of ``built``'s problem the first solve starts from
-    (``encodings.solve``'s ``start``); ``fastest`` (a list) gets the assignment of the first plan solved, the
-    one without the memory limit where the compiled check probes it, whether or not the search then finds
-    one that fits: (as an assignment of ``built``'s problem, of ``built.unlimited``'s or None), and
-    ``free_start`` is such a second one, for the probe."""
+    (``encodings.solve``'s ``start``); ``fastest`` (a list) gets the first plan solved, the one without the
+    memory limit where the compiled check probes it, whether or not the search then finds one that fits, as
+    (its assignment of ``built``'s problem, of ``built.unlimited``'s or None); ``free_start`` is such a
+    second one, for that probe (else ``start`` carried over: ``adopted``)."""
     check_compiled = limit is not None and memory_check == "compiled" and _devices_present(mesh_spec)
     unlimited = None
     if check_compiled:  # the fastest plan of all, where it fits as compiled, needs no search under the limit
@@ -527,13 +527,13 @@ def adopted(assignment: Sequence[int], source: Built, target: Built) -> tuple[in
     the source leaves unused takes the producer's own layout (each read priced from it, as in the source); a
     hub the target leaves unused, or a node of its own (a merged latency's), its last (one strategy; on)."""
     nodes, kept = target.problem.nodes, source.problem.nodes
-    adopted = [int(assignment[k]) if k < len(kept) and kept[k].labels == node.labels
-               and node.num_strategies == kept[k].num_strategies else node.num_strategies - 1
-               for k, node in enumerate(nodes)]
+    out = [int(assignment[k]) if k < len(kept) and kept[k].labels == node.labels
+           and node.num_strategies == kept[k].num_strategies else node.num_strategies - 1
+           for k, node in enumerate(nodes)]
     for hub, (producer, own) in target.hub_sources.items():
         if hub >= len(kept) or kept[hub].num_strategies == 1:  # unused in the source: the producer's own layout
-            adopted[hub] = int(own[adopted[producer]])
-    return tuple(adopted)
+            out[hub] = int(own[out[producer]])
+    return tuple(out)
 
 
 def _pricing(graph: Graph, built: Built, mesh: MeshSpec, fun: Callable, source: str) -> Callable[[Any], float]:
@@ -552,8 +552,9 @@ def _unlimited_probe(graph: Graph, built: Built, mesh: MeshSpec, fun: Callable, 
     It is the fastest plan in the model; where its compiled program fits the
     limit, nothing slower need be searched for, and where it does not, its
     planned and compiled peaks tell the search how far the model is off. It
-    gets ``share`` of ``time_limit`` (``UNLIMITED_SHARE``, halved where a second probe may follow). Ctrl-C here hands back no
-    plan: none is known to fit yet.
+    gets ``share`` of ``time_limit`` (``UNLIMITED_SHARE``, halved where a
+    second probe may follow). Ctrl-C here hands back no plan: none is known
+    to fit yet.
     """
     say(f"solving without the memory limit ({len(built.problem.nodes)} nodes, "
         f"{built.problem.num_strategies} strategies)")

@@ -15,8 +15,9 @@ its steps start from, the target its reader needs, the ``cost.ReshardStep``s
 that actually run, the consumer, and how often it runs (``repeats``). The
 steps are those of ``cost.reshard_steps`` after a *reshard cache*: every layout
 a value reaches (each step's result) is kept, so a second read in a layout
-already made runs nothing, and a reshard whose path passes through a layout
-already made starts from there (``source``).
+already made runs nothing, and a reshard starts from the layout already made
+that reaches its target for least: one its path passes through, or any
+other (``source``).
 
 Where it runs (``Site``): an uneven argument arriving evened (JAX lays out no
 uneven split at a jit boundary) is cut to its planned shards (``ARGUMENT``, a
