@@ -635,8 +635,8 @@ class ProblemBuilder:
           layout, where the cache may start).
 
         The program's reads, as their edges run them, go to ``edge_reads``
-        (``share_merged_latency``). Hubs are left out under a memory limit
-        (``reserve_hub``).
+        (``share_merged_latency``). Under a memory limit every hub is left
+        unused (one strategy, no edges: ``reserve_hub`` says why).
         """
         tables = self.tables
         sums = None
