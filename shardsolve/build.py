@@ -503,7 +503,7 @@ class ProblemBuilder:
     """
 
     def __init__(self, graph: Graph, mesh: MeshSpec, options: BuildOptions = BuildOptions(),
-                 tables: ReshardTables | None = None):
+                 like: ProblemBuilder | None = None):
         self.graph = graph
         self.mesh = mesh
         self.options = options
@@ -515,10 +515,11 @@ class ProblemBuilder:
         self.op_node: dict[int, int] = {}
         self.output_node: dict[int, int] = {}
         self.edges: dict[tuple[int, int], np.ndarray] = {}
-        self.tables = ReshardTables(mesh, impossible=FORBIDDEN) if tables is None else tables  # (shareable)
+        # ``like``: a builder of the same program, mesh and options whose reshard tables and priced rules serve
+        self.tables = ReshardTables(mesh, impossible=FORBIDDEN) if like is None else like.tables
         self.produced_at: dict[tuple, tuple[int, list[Sharding]]] = {}
         self.ids_at: dict[tuple, np.ndarray] = {}
-        self.rule_cache: dict[tuple, RuleStrategies] = {}
+        self.rule_cache: dict[tuple, RuleStrategies] = {} if like is None else like.rule_cache
         self.scans: dict[Scope, ScanNodes] = {}
         # A scan's loop invariants (its consts, its body's closed-over constants) are resharded
         # once, before the loop (see ``schedule.loop_invariant_demands``): their reads cost the scan's scale.
@@ -528,7 +529,6 @@ class ProblemBuilder:
         self.edge_reads: list[Read] = []  # the same as their edges run them (``add_reads``): ``share_merged_latency``
         # (scope, value id) -> (value, producer node, [(reader node, layout ids per strategy, scale, consumer)])
         self.pending_reads: dict[tuple, tuple[Any, int, list[tuple[int, np.ndarray, float, int | None]]]] = {}
-        self.memory_limit: float | None = None
         self.hub_sources: dict[int, tuple[int, np.ndarray]] = {}  # ``Built.hub_sources``
         self.hub_at: dict[tuple, int] = {}  # (scope, value id) -> the node its reads may share (``reserve_hub``)
         self.plain_edges: dict[tuple[int, int], np.ndarray] | None = None
@@ -537,12 +537,11 @@ class ProblemBuilder:
     def build(self, in_pins: Pins, out_pins: Pins, memory_limit: float | None = None,
               ties: Sequence[tuple[int, int]] = ()) -> Built:
         prefetch(self.planned_graphs(self.graph))  # the backend's compiles run beside the building
-        self.memory_limit = memory_limit
         self.add_arguments(in_pins)
         self.add_ops(self.graph, (), 1.0, None, "")
         self.add_outputs(out_pins)
         self.add_ties(ties)
-        self.add_reads()
+        self.add_reads(shared=memory_limit is None)
         if memory_limit is not None and self.options.kept_layouts:
             self.add_kept_layouts()
         self.share_merged_latency()
@@ -615,7 +614,7 @@ class ProblemBuilder:
             self.reads.append(Read(producer, to, x, consumer, dst))
         self.pending_reads.setdefault((scope, x), (value, producer, []))[2].append((to, dst, scale, consumer))
 
-    def add_reads(self) -> None:
+    def add_reads(self, shared: bool = True) -> None:
         """The edges of every read ``read_edge`` noted, priced as the reshard cache runs them.
 
         The schedule (``shardsolve.schedule``) makes each layout of a value
@@ -635,8 +634,9 @@ class ProblemBuilder:
           layout, where the cache may start).
 
         The program's reads, as their edges run them, go to ``edge_reads``
-        (``share_merged_latency``). Under a memory limit every hub is left
-        unused (one strategy, no edges: ``reserve_hub`` says why).
+        (``share_merged_latency``). Without ``shared`` (under a memory limit)
+        every hub is left unused (one strategy, no edges: ``reserve_hub`` says
+        why).
         """
         tables = self.tables
         sums = None
@@ -650,10 +650,11 @@ class ProblemBuilder:
                         for to, rs in by_reader.items()}
             direct = {to: self._read_table(value, src, read) for to, read in by_reader.items()}
             scales = {scale for _, _, scale, _ in reads}
-            resharding = sum(bool(np.any((t > 0) & (t < FORBIDDEN))) for t in direct.values())
-            hub = np.unique(np.concatenate([src] + [dst for _, dst, _, _ in reads]))
-            if (key not in self.hub_at or self.memory_limit is not None or resharding < 2 or len(scales) > 1
-                    or len(hub) > HUB_MAX_LAYOUTS):
+            hub = None
+            if shared and key in self.hub_at and len(scales) == 1 and sum(
+                    bool(np.any((t > 0) & (t < FORBIDDEN))) for t in direct.values()) >= 2:  # readers may share
+                hub = np.unique(np.concatenate([src] + [dst for _, dst, _, _ in reads]))
+            if hub is None or len(hub) > HUB_MAX_LAYOUTS:
                 for to, table in direct.items():  # (a hub left unused: one strategy)
                     self.add_edge(producer, to, table)
                     if not key[0]:
@@ -1187,9 +1188,9 @@ def build_problem(
     Under a memory limit the result carries the problem without it too
     (``Built.unlimited``).
     """
-    tables = ReshardTables(mesh, impossible=FORBIDDEN)
-    built = ProblemBuilder(graph, mesh, options, tables).build(in_pins, out_pins, memory_limit, ties)
+    builder = ProblemBuilder(graph, mesh, options)
+    built = builder.build(in_pins, out_pins, memory_limit, ties)
     if memory_limit is None:
         return built
-    unlimited = ProblemBuilder(graph, mesh, options, tables).build(in_pins, out_pins, None, ties)
+    unlimited = ProblemBuilder(graph, mesh, options, like=builder).build(in_pins, out_pins, None, ties)
     return dataclasses.replace(built, unlimited=unlimited)

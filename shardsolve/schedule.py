@@ -257,7 +257,9 @@ class _Builder:
         mesh = self.mesh
         best = sum(collective_time(s.kind, s.axes, s.bytes, mesh) for s in steps if s.is_collective)
         for layout in made:
-            if layout == source or not best > 0:
+            if not best > 0:  # nothing runs: nothing is cheaper
+                break
+            if layout == source:
                 continue
             t = reshard_time(value.shape, value.itemsize, layout, target, mesh)
             if t < best * (1 - 1e-9):
