@@ -116,8 +116,11 @@ def combined_latencies(schedule: Schedule, pairs: list) -> set[int]:
 
     XLA merges independent collectives of ``cost.COMBINED_KINDS`` over the same
     devices and reduction (``cost.combine_groups``); one depends on another when
-    its value is computed from the other's reader (``Graph.reaching``) or is
-    the same value. Demands in the same scan body merge with each other.
+    its value is computed from a reader of the other's result (``Graph.reaching``)
+    or is the same value. A collective's readers are every later read of the
+    layout it makes, or of a layout resharded from that one (the reshard cache
+    makes each once), not only the read it runs for. Demands in the same scan
+    body merge with each other.
     """
     keys = []
     read: dict[tuple, list[int]] = {}  # scope -> the values its mergeable collectives read
@@ -127,15 +130,31 @@ def combined_latencies(schedule: Schedule, pairs: list) -> set[int]:
         if mergeable:
             read.setdefault(d.site.scope, []).append(d.value)
     below = {scope: (vs, schedule.graph_of(scope).reaching(vs)) for scope, vs in read.items()}
+    later: dict[tuple, list] = {}  # (scope, value) -> its demands in program order
+    for d in schedule.demands:
+        if d.scope == d.site.scope:
+            later.setdefault((d.scope, d.value), []).append(d)
+
+    def readers(d, step) -> list[int]:
+        """The ops (in ``d``'s scope) that read what ``step`` makes, or a layout made from it."""
+        made = {s.dst for s in d.steps[d.steps.index(step):]} | {d.target}
+        sites = [d.site]
+        demands = later[(d.scope, d.value)]
+        for d2 in demands[demands.index(d) + 1:]:
+            if d2.source in made:
+                sites.append(d2.site)
+                made |= {s.dst for s in d2.steps} | {d2.target}
+        return [s.index for s in sites if s.kind != OUTPUT]
+
+    reading = {k: readers(d, step) for k, (d, step) in enumerate(pairs) if keys[k] is not None}
 
     def depends(i: int, j: int) -> bool:
         a, b = pairs[i][0], pairs[j][0]
         if a is b or a.value == b.value:
             return True
-        if a.site.kind == OUTPUT:
-            return False
         vs, reach = below[a.site.scope]
-        return bool(reach[a.site.index] >> vs.index(b.value) & 1)
+        bit = vs.index(b.value)
+        return any(reach[op] >> bit & 1 for op in reading[i])
 
     return {k for group in combine_groups(keys, depends) for k in group[1:]}
 

@@ -175,6 +175,26 @@ def test_combine_groups_merges_independent_collectives_as_xla_does():
     assert combine_groups(["a"] * 5, lambda i, j: False, count=2) == [[0, 1], [2, 3], [4]]
 
 
+def _two_readers_then_reduce(x, w1, w2):
+    h = x @ w1
+    return jnp.max(h, axis=0), jnp.tanh(h) @ w2
+
+
+def test_a_collective_read_by_a_later_reduction_is_not_merged_with_it():
+    """``h`` is a pending sum over ``model``, all-reduced once for its two readers. The first reader
+    (``max``) is an output; the second (``tanh``) leads to ``tanh(h) @ w2``, whose all-reduce needs ``h``'s.
+    XLA cannot merge the two: the plan prices two latencies, as the compiled program pays them."""
+    x, w1, w2 = _rand((16, 64)), _rand((64, 64), 1), _rand((64, 64), 2)
+    plan = shardsolve.plan(_two_readers_then_reduce, x, w1, w2, mesh="model=8",
+                           in_shardings=(P(None, "model"), P("model", None), P("model", None)),
+                           out_shardings=(P(), P()))
+    reduces = [c for c in plan.collectives if c.kind == "all-reduce"]
+    assert len(reduces) == 2 and not any(c.merged for c in reduces), plan.collectives
+    compiled = judge("shardsolve", plan.jit().lower(x, w1, w2).compile(), plan.mesh)
+    assert [c.kind for c in compiled.collectives].count("all-reduce") == 2
+    assert compiled.communication == pytest.approx(plan.cost.communication, rel=1e-6)
+
+
 def _data_parallel_gradients(params, x, y):
     def loss(p):
         h = jnp.tanh(x @ p["w1"] + p["b1"])
