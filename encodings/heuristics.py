@@ -34,7 +34,7 @@ import numpy as np
 
 from shardsolve.encodings.flat import CHARGE_PER_ITEM, INF, Flat, edge_reads, evaluate, interval_sums, profile, tolerance
 
-__all__ = ["icm", "repair", "forest_descent", "warm_start", "least_usage", "OneNodeMoves"]
+__all__ = ["icm", "complete", "repair", "forest_descent", "warm_start", "least_usage", "OneNodeMoves"]
 
 
 # -- local search ----------------------------------------------------------------------
@@ -70,6 +70,24 @@ def icm(flat: Flat, x: np.ndarray, sweeps: int = 10) -> np.ndarray:
                     prof[s0:s1] += flat.usages[i][best] - flat.usages[i][cur]
                 x[i] = best
                 moved += 1
+        if moved == 0:
+            break
+    return x
+
+
+def complete(flat: Flat, x: np.ndarray, free: np.ndarray, sweeps: int = 20) -> np.ndarray:
+    """``x`` with the nodes ``free`` (indices) moved, one at a time in index order, to their cheapest strategy
+    given their neighbours (ICM over those nodes alone, memory left to a later repair): an assignment known
+    in part (``propagation.propagated_assignment``) made whole."""
+    x = x.copy()
+    for _ in range(sweeps):
+        moved = 0
+        for i in free:
+            c = _local_costs(flat, x, int(i))
+            best, current = int(np.argmin(c)), c[x[i]]
+            if not math.isfinite(current) or c[best] < current - 1e-12 * max(1.0, abs(current)):
+                moved += best != x[i]
+                x[i] = best
         if moved == 0:
             break
     return x

@@ -63,6 +63,7 @@ from shardsolve.hlo import HloCollective, Memory, collectives_from_hlo, compiled
 from shardsolve.mesh import MeshSpec, as_mesh_spec
 from shardsolve.plan import Plan
 from shardsolve.planner import plan as make_plan
+from shardsolve.propagation import concrete_mesh, shardy_propagation
 from shardsolve.sharding import Sharding
 from shardsolve.trace import abstractify
 from shardsolve.units import parse_memory_limit
@@ -319,35 +320,7 @@ def gspmd_propagation() -> Iterator[None]:
             jax.config.update("jax_use_shardy_partitioner", old)
 
 
-@contextlib.contextmanager
-def shardy_propagation() -> Iterator[None]:
-    old = jax.config.jax_use_shardy_partitioner
-    jax.config.update("jax_use_shardy_partitioner", True)
-    try:
-        yield
-    finally:
-        jax.config.update("jax_use_shardy_partitioner", old)
-
-
 # -- annotations to jax.jit ------------------------------------------------------------
-
-
-def concrete_mesh(mesh: Any, spec: MeshSpec):
-    """A ``jax.sharding.Mesh`` with real devices for ``spec`` (or the user's own ``Mesh``).
-
-    The default backend's devices where there are enough, else the CPU's
-    (``XLA_FLAGS=--xla_force_host_platform_device_count=N`` makes N of them).
-    """
-    if isinstance(mesh, jax.sharding.Mesh):
-        return mesh
-    devices = jax.devices()
-    if len(devices) < spec.size:
-        try:
-            cpus = jax.devices("cpu")
-        except RuntimeError:
-            cpus = []
-        devices = cpus if len(cpus) >= spec.size else devices
-    return spec.devices_mesh("compare", devices)
 
 
 def _to_named(ann: Any, jmesh, ndim: int) -> Any:

@@ -102,11 +102,48 @@ class Graph:
     traced: Traced | None = None
     consumers: dict[int, list[tuple[int, int]]] = field(default_factory=dict)  # value -> [(op, operand)]
     _bodies: dict[int, Graph] = field(default_factory=dict, repr=False)  # scan op id -> body graph
+    closed: Any = field(default=None, repr=False, compare=False)  # the closed jaxpr the graph was built from
 
     @functools.cached_property
     def output_ids(self) -> frozenset[int]:
         """The value ids among ``outputs`` (literals left out)."""
         return frozenset(x for x in self.outputs if not isinstance(x, Lit))
+
+    @functools.cached_property
+    def post_order(self) -> tuple[tuple[float, ...], tuple[float, ...]]:
+        """(per op id, per output position) the place in the post order XLA walks a computation in
+        (``HloComputation::MakeInstructionPostOrder``: depth first from the root, a tuple of the outputs in
+        order, each instruction's operands in order). An output's place is just after its producer's subtree,
+        where the root reaches it; ops no output reads come after every other, in program order."""
+        place = [-1.0] * len(self.ops)
+        outputs = []
+        count = 0
+        for out in self.outputs:
+            producer = None if isinstance(out, Lit) else self.values[out].producer
+            if producer is not None and place[producer] < 0:
+                stack = [(producer, 0)]
+                while stack:
+                    op_id, k = stack[-1]
+                    operands = self.ops[op_id].inputs
+                    while k < len(operands):
+                        x = operands[k]
+                        k += 1
+                        below = None if isinstance(x, Lit) else self.values[x].producer
+                        if below is not None and place[below] < 0:  # (a DAG: never one on the stack)
+                            break
+                    else:
+                        stack.pop()
+                        place[op_id] = count
+                        count += 1
+                        continue
+                    stack[-1] = (op_id, k)
+                    stack.append((below, 0))
+            outputs.append(count - 0.5)
+        for op_id in range(len(self.ops)):
+            if place[op_id] < 0:
+                place[op_id] = count
+                count += 1
+        return tuple(place), tuple(outputs)
 
     def reaching(self, values: Sequence[int], *, together: bool = False) -> list[int]:
         """Per op id, which of ``values`` are computed from its results, as a bitset (bit ``k``: ``values[k]``).
@@ -182,7 +219,7 @@ class Graph:
             source = str(eqn.source_info.name_stack) if eqn.source_info is not None else ""
             ops.append(Op(op_id, eqn.primitive.name, operands, tuple(outs), eqn, source))
         outputs = tuple(Lit(v.val) if isinstance(v, jcore.Literal) else ids[v] for v in jaxpr.outvars)
-        graph = cls(values, ops, inputs, consts, tuple(closed.consts), outputs, traced)
+        graph = cls(values, ops, inputs, consts, tuple(closed.consts), outputs, traced, closed=closed)
         for op in ops:
             for k, x in enumerate(op.inputs):
                 if not isinstance(x, Lit):

@@ -115,7 +115,9 @@ def combined_latencies(schedule: Schedule, pairs: list) -> set[int]:
     """Of the (demand, step) ``pairs`` (``schedule.collective_steps()``), those whose latency an earlier one pays.
 
     XLA merges independent collectives of ``cost.COMBINED_KINDS`` over the same
-    devices and reduction (``cost.combine_groups``); one depends on another when
+    devices and reduction (``cost.combine_groups``), walking them in the post
+    order of the computation (``Graph.post_order``): a collective's place is
+    just before its first reader's there. One depends on another when
     its value is computed from a reader of the other's result (``Graph.reaching``)
     or is the same value. A collective's readers are every later read of the
     layout it makes, or of a layout resharded from that one (the reshard cache
@@ -156,7 +158,15 @@ def combined_latencies(schedule: Schedule, pairs: list) -> set[int]:
         bit = vs.index(b.value)
         return any(reach[op] >> bit & 1 for op in reading[i])
 
-    return {k for group in combine_groups(keys, depends) for k in group[1:]}
+    def place(k: int) -> float:  # just before the first reader's place in the post order
+        d = pairs[k][0]
+        ops, outputs = schedule.graph_of(d.site.scope).post_order
+        sites = [ops[i] for i in reading[k]] + ([outputs[d.site.index]] if d.site.kind == OUTPUT else [])
+        return min(sites, default=math.inf) - 0.25
+
+    order = sorted(reading, key=lambda k: (place(k), k))
+    groups = combine_groups([keys[k] for k in order], lambda i, j: depends(order[i], order[j]))
+    return {order[k] for group in groups for k in group[1:]}
 
 
 @dataclass(frozen=True, slots=True)

@@ -27,6 +27,8 @@ import shardsolve.encodings as encodings
 from shardsolve.annotations import argument_pins, carry_pairs, hint_pins, output_pins
 from shardsolve.build import BuildOptions, Built, build_problem, tie_axes
 from shardsolve.encodings import portfolio
+from shardsolve.encodings.flat import flatten
+from shardsolve.encodings.heuristics import complete
 from shardsolve.encodings.polish import polish_usage
 from shardsolve.encodings.tying import certify, solve_tied
 from shardsolve.errors import InfeasibleError, Interrupted, ShardsolveError
@@ -37,7 +39,8 @@ from shardsolve.logical import LogicalAxes
 from shardsolve.memory import peak_memory
 from shardsolve.mesh import MeshSpec, as_mesh_spec
 from shardsolve.plan import Cost, OpPlan, Plan, Signature, predicted_collectives
-from shardsolve.problem import MEMORY_LIMIT_LABEL, Pin
+from shardsolve.problem import MEMORY_LIMIT_LABEL, Pin, Solution
+from shardsolve.propagation import propagated_assignment, propagated_scopes
 from shardsolve.schedule import build_schedule
 from shardsolve.sharding import Sharding
 from shardsolve.trace import abstractify, trace
@@ -241,7 +244,11 @@ def plan(
     by as much as the model over-counts that plan, as compiled: the model's
     bound counts every operand twice in the step that reads it), and
     where that plan's compiled peak is over, the limit the solver sees is searched
-    (lowered by the overshoot, then bisected) and the plan solved again; the
+    (lowered by the overshoot, then bisected) and the plan solved again. The
+    program Shardy propagates from the same annotations, read back as a plan
+    (``shardsolve.propagation``), is compiled too: where it fits, the search
+    starts from it and returns nothing slower (``plan.stats``:
+    ``propagation_cost``). The
     fastest plan whose compiled peak fits is returned (``plan.stats``:
     ``memory_rounds``, ``compiled_peak_memory``), or ``InfeasibleError`` after
     ``MEMORY_ROUNDS`` solves. The solves share ``time_limit``: the one without the
@@ -345,13 +352,17 @@ def search_plan(built: Built, time_limit: float | None, graph: Graph, mesh_spec:
     internal = limit
     if unlimited is not None and limit >= allocated_floor(built):  # (below the floor: infeasible as it is)
         internal = limit + max(0.0, built.problem.peak_usage(unlimited[2]) - unlimited[1])
+    known = _propagation_plan(graph, built, mesh_spec, fun, args, source, limit, say) if check_compiled else None
+    if known is not None:  # propagation's program fits: the search sees room for it, and starts from it
+        internal = max(internal, built.problem.peak_usage(known[2]))
+    first_start = known[2] if known is not None else start if unlimited is None else unlimited[2]
     say(f"solving{' under the memory limit' if check_compiled else ''} ({len(built.problem.nodes)} nodes, "
         f"{built.problem.num_strategies} strategies" + (f"; {format_bytes(internal)} as the model counts it"
                                                         if internal != limit else "") + ")")
     try:
         first = _share(time_limit, FIRST_SOLVE_SHARE) if check_compiled else time_limit
         solution = _solve(_limited(built, internal), first, seed, _tied_under_limit(built, tie, internal),
-                          say if progress else None, price, start if unlimited is None else unlimited[2])
+                          say if progress else None, price, first_start)
     except KeyboardInterrupt as interrupt:  # Ctrl-C: hand back the best complete plan so far, where there is one
         interrupt = _as_interrupted(interrupt)
         best = interrupt.solution
@@ -362,7 +373,7 @@ def search_plan(built: Built, time_limit: float | None, graph: Graph, mesh_spec:
         fastest.append((tuple(solution.assignment), None))
     if check_compiled:  # an interrupt here carries the best plan that fits as compiled, or none
         return _within_compiled_memory(graph, built, solution, mesh_spec, fun, args, source, limit, time_limit,
-                                       seed, tie, say, progress, price, unlimited, internal)
+                                       seed, tie, say, progress, price, unlimited, internal, known)
     _refuse_unsolved(built, solution, limit)
     say("done")
     return to_plan(graph, built, solution, mesh_spec, fun, source)
@@ -574,7 +585,8 @@ def _within_compiled_memory(graph: Graph, built: Built, solution, mesh: MeshSpec
                             source: str, limit: float, time_limit: float | None, seed: int, tie: bool,
                             say: Callable[[str], None], progress, price: Callable[[Any], float] | None = None,
                             unlimited: tuple[Plan, int, tuple[int, ...]] | None = None,
-                            internal: float | None = None) -> Plan:
+                            internal: float | None = None,
+                            known: tuple[Plan, int, tuple[int, ...]] | None = None) -> Plan:
     """The fastest plan found whose compiled program's peak memory is within ``limit`` (``plan``'s
     ``memory_check``).
 
@@ -594,10 +606,14 @@ def _within_compiled_memory(graph: Graph, built: Built, solution, mesh: MeshSpec
     ``_unlimited_probe``). Where the first solve finds the limit infeasible,
     even with that slack, the error names the constraints. Each solve starts from the fastest plan known to fit, or, before
     one is known, from the plan without the limit (``encodings.solve``'s
-    ``start``: repaired where it breaks the limit the solver sees).
+    ``start``: repaired where it breaks the limit the solver sees). ``known``:
+    a plan known to fit as compiled (propagation's: ``_propagation_plan``), its
+    compiled peak and assignment; the answer is never slower.
     """
-    best: tuple[Plan, int, tuple[int, ...]] | None = None
+    best: tuple[Plan, int, tuple[int, ...]] | None = known
     lo, hi, rounds, compiled = 0.0, math.inf, 0, None
+    if known is not None:  # a limit the solver sees with room for it is known to fit
+        lo = built.problem.peak_usage(known[2])
     floor = allocated_floor(built)  # no plan fits below it
     internal = limit if internal is None else internal  # the limit ``solution`` was solved under
 
@@ -654,7 +670,56 @@ def _within_compiled_memory(graph: Graph, built: Built, solution, mesh: MeshSpec
     say("done")
     plan, compiled, _ = best
     stats = dict(plan.stats) | {"memory_rounds": rounds, "compiled_peak_memory": compiled}
+    if known is not None:
+        stats["propagation_cost"] = known[0].cost.total
     return dataclasses.replace(plan, stats=tuple(sorted(stats.items())))
+
+
+def _propagation_plan(graph: Graph, built: Built, mesh: MeshSpec, fun: Callable, args: tuple, source: str,
+                      limit: float, say: Callable[[str], None]) -> tuple[Plan, int, tuple[int, ...]] | None:
+    """Propagation's program from the same annotations (``built``'s pins of one strategy, hints included) as a
+    plan of ``built``'s problem, its compiled peak and its assignment, where it fits ``limit`` as compiled; None
+    where it does not, or where its shardings cannot be read (``shardsolve.propagation``)."""
+    say("reading the shardings Shardy propagates from the annotations")
+    free = _limited(built, None)
+    try:
+        scoped = propagated_scopes(graph, built, mesh, *_pinned_shardings(graph, built))
+    except KeyboardInterrupt:  # Ctrl-C: no plan is known to fit yet
+        raise Interrupted(None) from None
+    except Exception as e:  # noqa: BLE001 - a program propagation cannot compile is planned without its start
+        say(f"propagation's shardings could not be read ({str(e).splitlines()[0] if str(e) else type(e).__name__}); "
+            "searching without them")
+        return None
+    x, matched = propagated_assignment(graph, free, scoped)
+    x = complete(flatten(free.problem), x, np.flatnonzero(~matched))
+    cost = free.problem.evaluate(x)
+    if not math.isfinite(cost):
+        say("propagation's shardings make no plan the model allows: searching without them")
+        return None
+    plan = to_plan(graph, free, Solution(tuple(int(s) for s in x), cost, 0.0, "feasible"), mesh, fun, source)
+    say("compiling propagation's plan to read its memory")
+    try:
+        compiled = compiled_peak(plan, args)
+    except KeyboardInterrupt:
+        raise Interrupted(None) from None
+    if compiled > limit:
+        say(f"propagation's plan compiles to {format_bytes(compiled)}, over the limit")
+        return None
+    say(f"propagation's plan fits as compiled ({format_bytes(compiled)}): the search starts from it")
+    return plan, compiled, tuple(int(s) for s in x)
+
+
+def _pinned_shardings(graph: Graph, built: Built) -> tuple[list[Sharding | None], list[Sharding | None]]:
+    """The sharding pinned to every flat argument and result of ``graph``'s program (None where free or where
+    a pin allows several)."""
+    one = {pin.node: pin.allowed[0] for pin in built.problem.pins if len(pin.allowed) == 1}
+
+    def pinned(node: int | None) -> Sharding | None:
+        return None if node is None or node not in one else built.nodes[node].shardings[one[node]]
+
+    inputs = [pinned(built.value_node.get(v)) for v in graph.inputs]
+    outputs = [pinned(built.output_node.get(k)) for k in range(len(graph.outputs))]
+    return inputs, outputs
 
 
 #: Under a memory limit, problems of at most this many nodes are searched untied: repeated layers differ in

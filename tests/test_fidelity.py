@@ -175,6 +175,22 @@ def test_combine_groups_merges_independent_collectives_as_xla_does():
     assert combine_groups(["a"] * 5, lambda i, j: False, count=2) == [[0, 1], [2, 3], [4]]
 
 
+def test_collectives_are_walked_in_xlas_post_order():
+    """XLA's combiner walks a computation depth first from its root, a tuple of the outputs in order, each
+    operation's operands in order: an operation read only by a later output comes after the first output's
+    whole subtree, wherever the program computes it."""
+
+    def side_first(x):
+        side = jnp.sin(x)  # program order: sin, cos, exp
+        return jnp.exp(jnp.cos(x)), side
+
+    graph = Graph.from_traced(trace(side_first, jax.ShapeDtypeStruct((4,), jnp.float32)))
+    ops, outputs = graph.post_order
+    assert [op.primitive for op in graph.ops] == ["sin", "cos", "exp"]
+    assert ops == (2, 0, 1)  # cos, exp for the first output, then sin
+    assert outputs == (1.5, 2.5)  # each just after its own subtree, where the root reaches it
+
+
 def _two_readers_then_reduce(x, w1, w2):
     h = x @ w1
     return jnp.max(h, axis=0), jnp.tanh(h) @ w2

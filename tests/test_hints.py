@@ -2,36 +2,19 @@
 
 from __future__ import annotations
 
-import jax
-import jax.numpy as jnp
 import pytest
 from jax.sharding import PartitionSpec as P
+from mlp_step import ARGS, BATCH, EXPERT, MESH, mlp_step
 
 import shardsolve
 from shardsolve import planner
 from shardsolve.errors import InfeasibleError, ShardsolveError
 
-MESH = "data=2,model=4"
-
-
-def _mlp_step(params, x):
-    def loss(p):
-        return jnp.mean((jnp.tanh(x @ p["w1"]) @ p["w2"]) ** 2)
-
-    value, grads = jax.value_and_grad(loss)(params)
-    return jax.tree_util.tree_map(lambda p, g: p - 0.1 * g, params, grads), value
-
-
-ARGS = ({"w1": jax.ShapeDtypeStruct((64, 256), jnp.float32), "w2": jax.ShapeDtypeStruct((256, 64), jnp.float32)},
-        jax.ShapeDtypeStruct((32, 64), jnp.float32))
-BATCH = (None, P("data"))
-EXPERT = ({"w1": P(None, "model"), "w2": P("model", None)}, P("data"))
-
 
 def test_a_hinted_plan_is_no_slower_than_the_best_plan_with_those_argument_shardings():
-    hinted = shardsolve.plan(_mlp_step, *ARGS, mesh=MESH, in_shardings=BATCH, hints=EXPERT, carry=[(0, 0)])
-    pinned = shardsolve.plan(_mlp_step, *ARGS, mesh=MESH, in_shardings=EXPERT, carry=[(0, 0)])
-    free = shardsolve.plan(_mlp_step, *ARGS, mesh=MESH, in_shardings=BATCH, carry=[(0, 0)])
+    hinted = shardsolve.plan(mlp_step, *ARGS, mesh=MESH, in_shardings=BATCH, hints=EXPERT, carry=[(0, 0)])
+    pinned = shardsolve.plan(mlp_step, *ARGS, mesh=MESH, in_shardings=EXPERT, carry=[(0, 0)])
+    free = shardsolve.plan(mlp_step, *ARGS, mesh=MESH, in_shardings=BATCH, carry=[(0, 0)])
     stats = dict(hinted.stats)
     assert stats["hint"] in ("kept", "not kept")
     assert stats["hint_cost"] == pytest.approx(pinned.cost.total, rel=1e-9)  # the hinted search is the pinned one
@@ -53,14 +36,14 @@ def test_the_hinted_search_starts_from_the_plan_without_the_hints(monkeypatch):
     monkeypatch.setattr(planner, "search_once", recording)
     for limit in (None, "1GiB"):
         calls.clear()
-        shardsolve.plan(_mlp_step, *ARGS, mesh=MESH, in_shardings=BATCH, hints=EXPERT, memory_limit=limit)
+        shardsolve.plan(mlp_step, *ARGS, mesh=MESH, in_shardings=BATCH, hints=EXPERT, memory_limit=limit)
         free = [found for hinted, _, found in calls if not hinted]
         first_hinted = next(start for hinted, start, _ in calls if hinted)
         assert free and first_hinted is not None and tuple(first_hinted) in free, calls
     calls.clear()  # the search without the hints ends in no plan that fits
     monkeypatch.setattr(planner, "compiled_peak", lambda plan, args: 2**40)  # every plan compiles over
     with pytest.raises(InfeasibleError):
-        shardsolve.plan(_mlp_step, *ARGS, mesh=MESH, in_shardings=BATCH, hints=EXPERT, memory_limit="1GiB")
+        shardsolve.plan(mlp_step, *ARGS, mesh=MESH, in_shardings=BATCH, hints=EXPERT, memory_limit="1GiB")
     free = [found for hinted, _, found in calls if not hinted]
     assert free and any(hinted and start is not None and tuple(start) in free for hinted, start, _ in calls), calls
 
@@ -76,15 +59,15 @@ def test_the_hinted_plan_is_kept_where_the_search_without_it_finds_none(monkeypa
         return search(built, *args, **kwargs)
 
     monkeypatch.setattr(planner, "search_plan", unhinted_fails)
-    plan = shardsolve.plan(_mlp_step, *ARGS, mesh=MESH, in_shardings=BATCH, hints=EXPERT)
+    plan = shardsolve.plan(mlp_step, *ARGS, mesh=MESH, in_shardings=BATCH, hints=EXPERT)
     assert dict(plan.stats)["hint"] == "kept"
     assert plan.status == "feasible" and plan.lower_bound == 0.0  # optimal only with the hints pinned: no bound
     assert plan.in_shardings[0]["w1"].spec == P(None, "model") and plan.in_shardings[0]["w2"].spec == P("model")
     with pytest.raises(InfeasibleError, match="memory limit"):
-        shardsolve.plan(_mlp_step, *ARGS, mesh=MESH, in_shardings=BATCH, hints=({"w1": None, "w2": None}, None))
+        shardsolve.plan(mlp_step, *ARGS, mesh=MESH, in_shardings=BATCH, hints=({"w1": None, "w2": None}, None))
 
 
 def test_a_hint_naming_no_mesh_axis_is_one_line_naming_it():
     with pytest.raises(ShardsolveError, match="hints") as info:
-        shardsolve.plan(_mlp_step, *ARGS, mesh=MESH, in_shardings=BATCH, hints=({"w1": P("nope"), "w2": None}, None))
+        shardsolve.plan(mlp_step, *ARGS, mesh=MESH, in_shardings=BATCH, hints=({"w1": P("nope"), "w2": None}, None))
     assert "\n" not in str(info.value)

@@ -235,8 +235,9 @@ def test_an_interrupted_memory_search_hands_back_the_best_plan_that_fits(monkeyp
     from shardsolve import planner
 
     limit = 1 << 20
-    # The plan without the limit and the first under it compile far over the limit, later ones as the model counts.
-    first, fitted = [2 * limit, 2 * limit], []
+    # The plan without the limit, propagation's and the first under the limit compile far over the limit, later
+    # ones as the model counts.
+    first, fitted = [2 * limit] * 3, []
 
     def compiled_peak(plan, args):
         peak = first.pop() if first else int(plan.cost.peak_memory)

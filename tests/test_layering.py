@@ -32,7 +32,8 @@ STAGES: tuple[tuple[str, ...], ...] = (
     ("graph",),
     ("rules",),
     ("problem",),
-    ("annotations", "build", "logical", "flax", "workspace"),  # flax: the glue to Flax models (imported lazily)
+    ("annotations", "build", "logical", "flax", "workspace", "propagation"),  # flax: the glue to Flax models
+    # (imported lazily); propagation: Shardy's shardings as an assignment of the built problem
     ("encodings", "iopddl"),  # the solver layer (presolve and tying inside encodings/)
     ("schedule", "memory"),  # memory: the plan's buffers, counted from its schedule
     ("lower",),  # the rewriter executes a schedule; ``plan.jit()`` runs its program
