@@ -17,7 +17,7 @@ shardings (a pending sum as the strategy's partial result, its reduction on
 the edge, as XLA's dot partitioning makes it), and of those the one whose
 operands match the most (``propagated_assignment``); a node with no match
 (a sharding outside the candidates, the node holding an operation's operands'
-memory, a scan's boundary, a hub) is left free for
+memory, a hub, a scan body that does not compile alone) is left free for
 ``encodings.heuristics.complete``. A dimension Shardy splits over part of a
 mesh axis (sub-axes: GPT-2 small's 4 heads over 4 of ``model``'s 8 devices)
 reads back replicated; the planner's shardings hold whole axes only.
