@@ -182,6 +182,14 @@ class Graph:
             hit = self._bodies[op.id] = Graph.from_jaxpr(inline_closed(p["jaxpr"]), names)
         return hit
 
+    def nested(self, scope: Sequence[int]) -> Graph:
+        """The graph of ``scope`` (scan op ids, outermost first): this program for ``()``, else the body of the
+        scan ops it names, each inside the one before."""
+        graph = self
+        for op_id in scope:
+            graph = graph.body(graph.ops[op_id])
+        return graph
+
     @classmethod
     def from_traced(cls, traced: Traced) -> Graph:
         return cls.from_jaxpr(traced.jaxpr, leaf_names(traced.in_tree, "args"), traced)

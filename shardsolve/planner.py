@@ -691,12 +691,12 @@ def _propagation_plan(graph: Graph, built: Built, mesh: MeshSpec, fun: Callable,
             "searching without them")
         return None
     x, matched = propagated_assignment(graph, free, scoped)
-    x = complete(flatten(free.problem), x, np.flatnonzero(~matched))
+    x = tuple(int(s) for s in complete(flatten(free.problem), x, np.flatnonzero(~matched)))
     cost = free.problem.evaluate(x)
     if not math.isfinite(cost):
         say("propagation's shardings make no plan the model allows: searching without them")
         return None
-    plan = to_plan(graph, free, Solution(tuple(int(s) for s in x), cost, 0.0, "feasible"), mesh, fun, source)
+    plan = to_plan(graph, free, Solution(x, cost, 0.0, "feasible"), mesh, fun, source)
     say("compiling propagation's plan to read its memory")
     try:
         compiled = compiled_peak(plan, args)
@@ -706,7 +706,7 @@ def _propagation_plan(graph: Graph, built: Built, mesh: MeshSpec, fun: Callable,
         say(f"propagation's plan compiles to {format_bytes(compiled)}, over the limit")
         return None
     say(f"propagation's plan fits as compiled ({format_bytes(compiled)}): the search starts from it")
-    return plan, compiled, tuple(int(s) for s in x)
+    return plan, compiled, x
 
 
 def _pinned_shardings(graph: Graph, built: Built) -> tuple[list[Sharding | None], list[Sharding | None]]:

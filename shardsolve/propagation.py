@@ -107,13 +107,6 @@ def propagated_shardings(graph: Graph, mesh: MeshSpec, inputs: Sequence[Sharding
     return out
 
 
-def graph_of(graph: Graph, scope: Scope) -> Graph:
-    """The graph of ``scope`` (scan op ids, outermost first) inside ``graph``."""
-    for op_id in scope:
-        graph = graph.body(graph.ops[op_id])
-    return graph
-
-
 def propagated_scopes(graph: Graph, built: Built, mesh: MeshSpec, inputs: Sequence[Sharding | None],
                       outputs: Sequence[Sharding | None]) -> dict[Scope, dict[int, Sharding]]:
     """``propagated_shardings`` of the program (scope ``()``) and of every scan body ``built`` plans once: a
@@ -125,7 +118,7 @@ def propagated_scopes(graph: Graph, built: Built, mesh: MeshSpec, inputs: Sequen
         outer = out.get(scope[:-1])
         if outer is None:
             continue
-        op = graph_of(graph, scope[:-1]).ops[scope[-1]]
+        op = graph.nested(scope[:-1]).ops[scope[-1]]
         body = built.scans[scope].body
         n_consts, n_carry = scan_counts(op)
         ins: list[Sharding | None] = []
@@ -163,7 +156,7 @@ def propagated_assignment(graph: Graph, built: Built,
             choose(k, None if isinstance(out, Lit) else top.get(out), info.shardings)
         elif info.kind == "op" and info.scope in scoped:
             shardings = scoped[info.scope]
-            op = graph_of(graph, info.scope).ops[info.ref]
+            op = graph.nested(info.scope).ops[info.ref]
             wants = [shardings.get(v) for v in op.outputs]
             if any(w is None for w in wants):
                 continue

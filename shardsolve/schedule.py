@@ -117,10 +117,7 @@ class Schedule:
         """The graph of ``scope``: the program, or the body of the scan ops it names."""
         if self.graph is None:
             raise ShardsolveError("this schedule was built without its program")
-        g = self.graph
-        for k in scope:
-            g = g.body(g.ops[k])
-        return g
+        return self.graph.nested(scope)
 
     def collective_steps(self) -> Iterator[tuple[Demand, ReshardStep]]:
         """Every (demand, step) that communicates, in program order: what a cost function prices."""
