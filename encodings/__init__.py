@@ -15,6 +15,8 @@ together, from z3 unsat cores. The modules, in the order a problem meets them:
 ``moves``       vectorised group moves: every node or small component at once,
                 two-node moves, a falling price on usage where memory binds
 ``cpsat``       the CP-SAT encoding and its solve (whole models, neighbourhoods)
+``mip``         the LP's polytope with integral strategies, HiGHS's branch and
+                cut (where the LP is fractional)
 ``search``      neighbourhoods, repair of forbidden pairs, component descent,
                 large-neighbourhood search, TRW-S warm starts
 ``bounds``      certified lower bounds: LP with memory, TRW-S, min-sum diffusion

@@ -58,7 +58,7 @@ from shardsolve.encodings import kernels
 from shardsolve.encodings.flat import Flat, evaluate, interval_sums, sweep_charge
 
 __all__ = ["trivial_bound", "dual_bound", "trws_bound", "trws_charge", "trws_pass_charge", "trws_decode_charge",
-           "trws_decode", "trws_gamma", "finite_parts", "pruned_above", "lp_solve", "lp_bound", "lagrangian_bound"]
+           "trws_decode", "trws_gamma", "finite_parts", "pruned_above", "LocalPolytope", "local_polytope", "lp_solve", "lp_bound", "lagrangian_bound"]
 
 #: LP bounds are only attempted up to this many pair variables.
 LP_MAX_PAIRS = 300_000
@@ -331,20 +331,48 @@ def trws_decode(flat, costs, tables, to_u, to_v) -> np.ndarray:
     return x
 
 
-def lp_solve(flat: Flat, time_limit: float = 10.0) -> tuple[float, float, list[np.ndarray] | None]:
-    """The local-polytope LP with memory, vectorised, solved by HiGHS.
+@dataclasses.dataclass(frozen=True)
+class LocalPolytope:
+    """The local-polytope LP of a ``Flat`` problem as sparse matrices, costs normalised (see the module docstring).
 
-    Returns ``(value, margin, marginals)``: the LP optimum in the problem's
-    units, an error margin (``value - margin`` is a certified bound) and the
-    node marginals; ``(inf, 0, None)`` when the LP is infeasible and
-    ``(-inf, 0, None)`` when it was not solved to optimality.
+    Variables: every node strategy (``x``, ``n_x`` of them, node ``i``'s from
+    ``x_off[i]``), then every allowed pair of every edge (``y``). A solution's
+    value in the problem's units is ``offset + unit * (cost . z)``; memory rows
+    are divided by ``scale_mem``. ``blocks``: the first variable of each block
+    that sums to 1 (a node's strategies, an edge's pairs).
     """
+
+    cost: np.ndarray
+    ub: np.ndarray
+    a_eq: object  # scipy.sparse.csr_matrix
+    b_eq: np.ndarray
+    a_ub: object | None
+    b_ub: np.ndarray | None
+    offset: float
+    unit: float
+    scale_mem: float
+    x_off: np.ndarray
+    blocks: np.ndarray
+
+    @property
+    def n_x(self) -> int:
+        return int(self.x_off[-1])
+
+    def value(self, normalised: float) -> float:
+        """A normalised objective in the problem's units."""
+        return self.offset + self.unit * float(normalised)
+
+    def assignment(self, z: np.ndarray) -> np.ndarray:
+        """The strategy of largest weight of each node."""
+        return np.array([int(np.argmax(z[self.x_off[i]:self.x_off[i + 1]])) for i in range(len(self.x_off) - 1)],
+                        dtype=np.int64)
+
+
+def local_polytope(flat: Flat) -> LocalPolytope:
+    """``flat``'s local-polytope LP with its memory rows (forbidden entries left out, costs normalised)."""
     import scipy.sparse as sp
-    from scipy.optimize import linprog
 
     n = flat.n
-    if n == 0:
-        return 0.0, 0.0, []
     sizes = np.array([len(c) for c in flat.costs], dtype=np.int64)
     x_off = np.concatenate([[0], np.cumsum(sizes)])
     nx = int(x_off[-1])
@@ -394,6 +422,7 @@ def lp_solve(flat: Flat, time_limit: float = 10.0) -> tuple[float, float, list[n
     b_eq = np.zeros(n_rows)
     b_eq[:n] = 1.0
     a_ub = b_ub = None
+    scale_mem = 1.0
     if flat.binding:
         mr, mc, mv, caps = [], [], [], []
         for j, t in enumerate(flat.binding):
@@ -409,11 +438,29 @@ def lp_solve(flat: Flat, time_limit: float = 10.0) -> tuple[float, float, list[n
                               (np.concatenate(mr) if mr else np.zeros(0, int), np.concatenate(mc) if mc else np.zeros(0, int))),
                              shape=(len(flat.binding), nx + ny))
         b_ub = np.array(caps) / scale_mem
-    else:
-        scale_mem = 1.0
+    blocks = np.concatenate([x_off[:-1], nx + np.concatenate([[0], np.cumsum(pair_counts)[:-1]])]).astype(np.int64)
+    return LocalPolytope(cost, ub, a_eq, b_eq, a_ub, b_ub, offset, unit, scale_mem, x_off, blocks)
+
+
+def lp_solve(flat: Flat, time_limit: float = 10.0) -> tuple[float, float, list[np.ndarray] | None]:
+    """The local-polytope LP with memory (``local_polytope``), solved by HiGHS.
+
+    Returns ``(value, margin, marginals)``: the LP optimum in the problem's
+    units, an error margin (``value - margin`` is a certified bound) and the
+    node marginals; ``(inf, 0, None)`` when the LP is infeasible and
+    ``(-inf, 0, None)`` when it was not solved to optimality.
+    """
+    from scipy.optimize import linprog
+
+    n = flat.n
+    if n == 0:
+        return 0.0, 0.0, []
+    lp = local_polytope(flat)
+    cost, ub, a_eq, b_eq, a_ub, b_ub = lp.cost, lp.ub, lp.a_eq, lp.b_eq, lp.a_ub, lp.b_ub
+    offset, unit, scale_mem, x_off = lp.offset, lp.unit, lp.scale_mem, lp.x_off
     # Exact steepest-edge pricing: HiGHS's default starts so and may switch to Devex on measured cost,
     # which makes the returned vertex (of several optimal ones) vary from run to run.
-    res = linprog(cost, A_ub=a_ub, b_ub=b_ub, A_eq=a_eq, b_eq=b_eq, bounds=np.stack([np.zeros(nx + ny), ub], axis=1),
+    res = linprog(cost, A_ub=a_ub, b_ub=b_ub, A_eq=a_eq, b_eq=b_eq, bounds=np.stack([np.zeros(len(cost)), ub], axis=1),
                   method="highs-ds", options={"time_limit": float(time_limit), "presolve": True,
                                               "simplex_dual_edge_weight_strategy": "steepest"})
     if res.status == 2:
@@ -421,8 +468,7 @@ def lp_solve(flat: Flat, time_limit: float = 10.0) -> tuple[float, float, list[n
     if res.status != 0 or res.x is None:
         return -math.inf, 0.0, None
     value = offset + unit * float(res.fun)
-    blocks = np.concatenate([x_off[:-1], nx + np.concatenate([[0], np.cumsum(pair_counts)[:-1]])]).astype(np.int64)
-    certified = dual_certificate(res, cost, ub, a_eq, b_eq, a_ub, b_ub, blocks)
+    certified = dual_certificate(res, cost, ub, a_eq, b_eq, a_ub, b_ub, lp.blocks)
     if certified is None:
         # no duals: HiGHS's tolerances (1e-7) are on the normalised costs, allow that much per node, relative
         margin = 1e-7 * unit * (abs(float(res.fun)) + n) + 1e-12 * abs(offset)

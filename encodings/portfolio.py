@@ -8,6 +8,9 @@
                        hundred passes); else, where they fit, the LP with memory (HiGHS) over the entries
                        the probe's reduced costs leave an assignment cheaper than its own, a certified
                        bound and a guide; an integral LP whose rounding costs its value is optimal
+    solve_mip          the LP solved and fractional: the same polytope with integral strategies, HiGHS's
+                       branch and cut (``mip``) for ``MIP_SHARE`` of the budget; optimal where it proves it,
+                       else its plan and bound go on
     solve_tiny         <= 60 decisions: CP-SAT on the whole model, exactly (milliseconds)
     warm_starts        heuristics (least usage, Lagrangian forest DP, repair, ICM); where the LP is
                        skipped (up to 5,000 nodes) TRW-S decodings, repaired; the LP rounded, its
@@ -61,7 +64,7 @@ from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
-from shardsolve.encodings import bounds, cpsat, grouped, heuristics, lagrange, moves, search
+from shardsolve.encodings import bounds, cpsat, grouped, heuristics, lagrange, mip, moves, search
 from shardsolve.encodings.flat import (CHARGE_PER_ITEM, Flat, evaluate, evaluation_charge, flatten, softened,
                                        subproblem, sweep_charge)
 from shardsolve.encodings.presolve import Reduced, reduce
@@ -93,6 +96,13 @@ LARGE_NODES = 5000
 #: where it is integral its proof, are what a pruned problem (tying's untied bound) is solved for.
 LP_CHARGE = 6e-5
 LP_SHARE = 0.8
+#: The MIP over the LP's polytope (``mip.solve_mip``, where the LP is fractional): its root (presolve, the LP,
+#: cuts) charged this many LP charges (a GRU step's 9k variables: LP 0.23 s, MIP root 1.5 to 3.3 s), each
+#: branch-and-bound node this many; it runs where its root fits in ``MIP_SHARE`` of the budget left, with a node
+#: limit that keeps it there.
+MIP_ROOT_CHARGES = 10.0
+MIP_NODE_CHARGES = 0.5
+MIP_SHARE = 0.5
 #: TRW-S before the LP (``Portfolio.trws_probe``): at most this many passes and this share of the budget,
 #: an assignment read off every ``PROBE_DECODE_EVERY`` passes.
 PROBE_PASSES = 800
@@ -363,6 +373,7 @@ class Portfolio:
         self.guide: np.ndarray | None = None  # the LP relaxation rounded, where it was solved
         self.marginals: list[np.ndarray] | None = None
         self.probe: tuple | None = None  # (cost, bound, node terms, edge terms) of ``trws_probe``, without a proof
+        self.lp_target: Flat | None = None  # the problem the LP solved (pruned by the probe), for the MIP
         self.probe_passes = 0  # TRW-S passes the probe ran (its bound is in ``bound``)
         self.moves: moves.GroupMoves | None = None  # built on first use
         self.quotient_moves: moves.GroupMoves | None = None  # moves on the problem over groups (memory left out)
@@ -431,6 +442,9 @@ class Portfolio:
             return self.finish(self.reduced.lift(x), "optimal", -math.inf)
         done = self.phase("lp", self.lp_relaxation)
         self.probe = None  # the probe's terms (a copy of every table) serve only the LP
+        if done is None:
+            done = self.phase("mip", self.solve_mip)
+        self.lp_target = None
         if done is not None:
             return done
         if self.decision <= TINY_NODES:
@@ -496,6 +510,7 @@ class Portfolio:
             return None
         lp_started = time.perf_counter()
         wall = self.past_net(FEASIBILITY_LP) if force else max(0.1, self.wall_left())
+        self.lp_target = target
         lp_value, lp_margin, marginals = bounds.lp_solve(target, time_limit=wall)
         stats["lp_s"] = round(time.perf_counter() - lp_started, 3)
         self.budget -= charge
@@ -518,6 +533,37 @@ class Portfolio:
             if c_guide <= lp_value - lp_margin + 1e-9 * abs(c_guide):
                 stats["proof"] = "integral LP"
                 return self.finish(self.reduced.lift(guide), "optimal", self.bound + self.offset)
+        return None
+
+    def solve_mip(self) -> Solution | None:
+        """The LP fractional: the same polytope with integral strategies (``mip.solve_mip``), within
+        ``MIP_SHARE`` of the budget; optimal where HiGHS proves it, else its plan and bound go on.
+
+        The polytope is the LP's, pruned by the probe where it ran: it keeps every assignment no dearer than
+        the probe's, which is the incumbent, so its optimum, or the incumbent, is the problem's.
+        """
+        target, stats = self.lp_target, self.stats
+        if self.marginals is None or target is None or self.wall_left() <= 0:
+            return None
+        per_node = MIP_NODE_CHARGES * LP_CHARGE * mip.variables(target)
+        root = MIP_ROOT_CHARGES * LP_CHARGE * mip.variables(target)
+        share = MIP_SHARE * self.budget
+        if root > share:  # deterministic: the size decides, never the clock
+            stats["mip_skipped_charge_s"] = round(root, 3)
+            return None
+        started = time.perf_counter()
+        result = mip.solve_mip(target, node_limit=int((share - root) // per_node),
+                               time_limit=min(self.wall_left(), share))
+        stats.update(result.stats)
+        stats["mip_s"] = round(time.perf_counter() - started, 3)
+        self.budget -= root + result.nodes * per_node
+        if result.assignment is not None:
+            self.consider(result.assignment, result.cost)
+        # A pruned polytope's bound holds for the assignments below the probe's cost; the incumbent is one of them.
+        self.bound = max(self.bound, result.bound if target is self.flat else min(result.bound, self.best_cost))
+        if result.status == "optimal":  # its plan, now the incumbent or beaten by it, is optimal
+            stats["proof"] = "MIP"
+            return self.finish(self.reduced.lift(self.best_x), "optimal", self.bound + self.offset)
         return None
 
     def trws_probe(self) -> Solution | None:

@@ -13,8 +13,8 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from shardsolve.encodings import (bounds, explain_infeasible, grouped, heuristics, moves, portfolio, search, smt,
-                                  solve)
+from shardsolve.encodings import (bounds, explain_infeasible, grouped, heuristics, mip, moves, portfolio, search,
+                                  smt, solve)
 from shardsolve.encodings.cpsat import reduce_table, solve_cpsat, solve_feasibility
 from shardsolve.encodings.flat import evaluate, flatten, profile, softened
 from shardsolve.encodings.presolve import reduce, restrict
@@ -182,6 +182,43 @@ def test_lp_pruned_by_the_probe_still_bounds_the_optimum(n, seed):
     assert sol.cost >= exact.cost * (1 - 1e-9)
     if sol.status == "optimal":
         assert sol.cost == pytest.approx(exact.cost, rel=1e-9)
+
+
+@pytest.mark.parametrize("n, seed", [(16, 2), (16, 5)])
+def test_mip_proves_the_optimum_the_lp_leaves_fractional(n, seed):
+    """Memory-bound grids whose LP is fractional: the MIP over the LP's polytope proves the optimum CP-SAT finds."""
+    problem = _grid_problem(n, seed)
+    sol = solve(problem, time_limit=5)
+    exact = solve_cpsat(flatten(problem), time_limit=30)
+    assert exact.status == "optimal"
+    assert sol.stats["proof"] == "MIP" and sol.status == "optimal"
+    assert sol.cost == pytest.approx(exact.cost, rel=1e-9) and sol.lower_bound == sol.cost
+
+
+@FAST
+@given(sparse_problems(max_nodes=12))
+def test_mip_matches_cpsat_and_its_bound_holds(problem):
+    """``mip.solve_mip`` on the whole problem: a valid plan at the optimum, or a bound below it."""
+    flat = flatten(problem)
+    exact = solve_cpsat(flat, time_limit=10)
+    found = mip.solve_mip(flat, node_limit=10_000, time_limit=30.0)
+    if exact.status == "infeasible":
+        assert found.assignment is None
+        return
+    assert exact.status == "optimal"
+    assert found.bound <= exact.cost * (1 + 1e-9) + 1e-9
+    if found.assignment is not None:
+        assert evaluate(flat, found.assignment) == found.cost
+        assert found.cost >= exact.cost * (1 - 1e-9) - 1e-9
+    if found.status == "optimal":
+        assert found.cost == pytest.approx(exact.cost, rel=1e-7, abs=1e-9)
+
+
+def test_mip_is_left_out_where_its_root_does_not_fit_the_budget():
+    """The budget buys the LP but not the MIP's root: the size decides, the MIP does not run."""
+    sol = solve(_grid_problem(16, 2), time_limit=0.05)
+    assert "lp_s" in sol.stats and sol.stats["mip_skipped_charge_s"] > 0
+    assert "mip_nodes" not in sol.stats and sol.stats.get("proof") != "MIP"
 
 
 @settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
