@@ -13,7 +13,7 @@ annotation or anything the planner was tuned on:
   contrastive loss over the batch;
 * ``conv1d``: strided 1-D convolutions over raw audio, mean pooled.
 
-``experiments/new_programs.py`` plans and compiles them.
+``experiments/new_programs.py`` plans and compiles them; ``tests/test_new_programs.py`` keeps a small slice.
 """
 
 from __future__ import annotations
