@@ -58,7 +58,8 @@ from shardsolve.encodings import kernels
 from shardsolve.encodings.flat import Flat, evaluate, interval_sums, sweep_charge
 
 __all__ = ["trivial_bound", "dual_bound", "trws_bound", "trws_charge", "trws_pass_charge", "trws_decode_charge",
-           "trws_decode", "trws_gamma", "finite_parts", "pruned_above", "LocalPolytope", "local_polytope", "lp_solve", "lp_bound", "lagrangian_bound"]
+           "trws_decode", "trws_gamma", "finite_parts", "pruned_above", "LocalPolytope", "local_polytope", "lp_solve",
+           "lp_bound", "lagrangian_bound"]
 
 #: LP bounds are only attempted up to this many pair variables.
 LP_MAX_PAIRS = 300_000
