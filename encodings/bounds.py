@@ -363,6 +363,11 @@ class LocalPolytope:
         """A normalised objective in the problem's units."""
         return self.offset + self.unit * float(normalised)
 
+    def margin(self, normalised: float) -> float:
+        """What HiGHS's tolerances (1e-7, on the normalised costs) may put a normalised objective off by, in the
+        problem's units: that much per node, relative, and a part in 1e12 of the offset."""
+        return 1e-7 * self.unit * (abs(float(normalised)) + len(self.x_off) - 1) + 1e-12 * abs(self.offset)
+
     def assignment(self, z: np.ndarray) -> np.ndarray:
         """The strategy of largest weight of each node."""
         return np.array([int(np.argmax(z[self.x_off[i]:self.x_off[i + 1]])) for i in range(len(self.x_off) - 1)],
@@ -471,8 +476,7 @@ def lp_solve(flat: Flat, time_limit: float = 10.0) -> tuple[float, float, list[n
     value = offset + unit * float(res.fun)
     certified = dual_certificate(res, cost, ub, a_eq, b_eq, a_ub, b_ub, lp.blocks)
     if certified is None:
-        # no duals: HiGHS's tolerances (1e-7) are on the normalised costs, allow that much per node, relative
-        margin = 1e-7 * unit * (abs(float(res.fun)) + n) + 1e-12 * abs(offset)
+        margin = lp.margin(res.fun)  # no duals: HiGHS's tolerances
     else:
         margin = value - (offset + unit * certified) + 1e-12 * abs(offset)
     if margin > 1e-10 * max(abs(value), 1e-300):

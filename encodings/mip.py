@@ -41,11 +41,6 @@ class MipResult:
     stats: dict = field(default_factory=dict)
 
 
-def variables(flat: Flat) -> int:
-    """The MIP's variables: one per node strategy and one per allowed pair (its size, for budgets)."""
-    return sum(len(c) for c in flat.costs) + sum(int(np.isfinite(t).sum()) for t in flat.tables)
-
-
 def solve_mip(flat: Flat, *, node_limit: int, time_limit: float) -> MipResult:
     """``flat`` solved as a MIP by HiGHS, within ``node_limit`` nodes and ``time_limit`` wall seconds."""
     from scipy.optimize import Bounds, LinearConstraint, milp
@@ -71,8 +66,7 @@ def solve_mip(flat: Flat, *, node_limit: int, time_limit: float) -> MipResult:
     bound = -math.inf
     dual = getattr(res, "mip_dual_bound", None)
     if dual is not None and math.isfinite(dual):
-        # HiGHS's tolerances (1e-7) are on the normalised costs: that much per node off its bound, as for the LP
-        bound = lp.value(dual) - 1e-7 * lp.unit * (abs(float(dual)) + flat.n) - 1e-12 * abs(lp.offset)
+        bound = lp.value(dual) - lp.margin(dual)
     if x is not None and res.status == 0:
         return MipResult(x, cost, cost, "optimal", nodes, stats)
     return MipResult(x, cost, min(bound, cost), "feasible" if x is not None else "unknown", nodes, stats)

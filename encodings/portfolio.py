@@ -374,6 +374,7 @@ class Portfolio:
         self.marginals: list[np.ndarray] | None = None
         self.probe: tuple | None = None  # (cost, bound, node terms, edge terms) of ``trws_probe``, without a proof
         self.lp_target: Flat | None = None  # the problem the LP solved (pruned by the probe), for the MIP
+        self.lp_size = 0  # its LP's variables: node strategies and allowed pairs
         self.probe_passes = 0  # TRW-S passes the probe ran (its bound is in ``bound``)
         self.moves: moves.GroupMoves | None = None  # built on first use
         self.quotient_moves: moves.GroupMoves | None = None  # moves on the problem over groups (memory left out)
@@ -504,13 +505,14 @@ class Portfolio:
         allowed = pairs if pruned is None else sum(int(np.isfinite(t).sum()) for t in pruned.tables)
         if allowed > bounds.LP_MAX_PAIRS:  # too large for the LP, even pruned
             return None
-        charge = LP_CHARGE * (sum(len(c) for c in target.costs) + allowed)
+        size = sum(len(c) for c in target.costs) + allowed
+        charge = LP_CHARGE * size
         if charge > LP_SHARE * self.budget and not force:  # deterministic: the size decides, never the clock
             stats["lp_skipped_charge_s"] = round(charge, 3)
             return None
         lp_started = time.perf_counter()
         wall = self.past_net(FEASIBILITY_LP) if force else max(0.1, self.wall_left())
-        self.lp_target = target
+        self.lp_target, self.lp_size = target, size
         lp_value, lp_margin, marginals = bounds.lp_solve(target, time_limit=wall)
         stats["lp_s"] = round(time.perf_counter() - lp_started, 3)
         self.budget -= charge
@@ -545,8 +547,8 @@ class Portfolio:
         target, stats = self.lp_target, self.stats
         if self.marginals is None or target is None or self.wall_left() <= 0:
             return None
-        per_node = MIP_NODE_CHARGES * LP_CHARGE * mip.variables(target)
-        root = MIP_ROOT_CHARGES * LP_CHARGE * mip.variables(target)
+        per_node = MIP_NODE_CHARGES * LP_CHARGE * self.lp_size
+        root = MIP_ROOT_CHARGES * LP_CHARGE * self.lp_size
         share = MIP_SHARE * self.budget
         if root > share:  # deterministic: the size decides, never the clock
             stats["mip_skipped_charge_s"] = round(root, 3)
