@@ -11,7 +11,14 @@ annotation or anything the planner was tuned on:
 * ``mixer``: MLP-Mixer blocks (token mixing through transposes);
 * ``twotower``: two embedding tables gathered (a bag of ids summed) and a
   contrastive loss over the batch;
-* ``conv1d``: strided 1-D convolutions over raw audio, mean pooled.
+* ``conv1d``: strided 1-D convolutions over raw audio, mean pooled;
+* ``remat_lm``: a causal language model whose layers are rematerialised
+  (``jax.checkpoint``), attention by ``jax.nn.dot_product_attention``;
+* ``bf16_mlp``: float32 parameters, the matmuls in bfloat16 (mixed precision);
+* ``adam_mlp``: an MLP trained by Adam, its two moments carried as state;
+* ``cnn2d``: 2-D convolutions with max pooling (``reduce_window``);
+* ``moe_top2``: a top-2 router (``lax.top_k``) over experts written with ``einsum``;
+* ``segment_bag``: bags of embeddings summed by ``jax.ops.segment_sum``.
 
 ``experiments/new_programs.py`` plans and compiles them; ``tests/test_new_programs.py`` keeps a small slice.
 """
@@ -157,4 +164,119 @@ def conv1d(size: str):
     return sgd(loss), (params, data), (None, BATCH)
 
 
-PROGRAMS: dict[str, Callable] = {"vit": vit, "gru": gru, "mixer": mixer, "twotower": twotower, "conv1d": conv1d}
+def remat_lm(size: str):
+    """A causal language model, each layer rematerialised in the backward pass (``jax.checkpoint``)."""
+    batch, seq, d, heads, depth, vocab = (16, 512, 1024, 16, 4, 32768) if size == "large" else (8, 16, 32, 4, 2, 64)
+    params = {"embed": S((vocab, d), f32), "head": S((d, vocab), f32),
+              "layers": [{"qkv": S((d, 3 * d), f32), "o": S((d, d), f32), "up": S((d, 4 * d), f32),
+                          "down": S((4 * d, d), f32), "g1": S((d,), f32), "g2": S((d,), f32)} for _ in range(depth)]}
+    data = (S((batch, seq), jnp.int32), S((batch, seq), jnp.int32))
+
+    def loss(p, data):
+        tokens, targets = data
+        x = jnp.take(p["embed"], tokens, axis=0)
+
+        @jax.checkpoint
+        def layer(x, w):
+            h = layer_norm(x, w["g1"], 0.0)
+            q, k, v = jnp.split((h @ w["qkv"]).reshape(batch, seq, 3 * heads, d // heads), 3, axis=2)
+            x = x + jax.nn.dot_product_attention(q, k, v, is_causal=True).reshape(batch, seq, d) @ w["o"]
+            return x + jax.nn.gelu(layer_norm(x, w["g2"], 0.0) @ w["up"]) @ w["down"]
+
+        for w in p["layers"]:
+            x = layer(x, w)
+        return cross_entropy((x @ p["head"]).reshape(batch * seq, vocab), targets.reshape(-1))
+
+    return sgd(loss), (params, data), (None, BATCH)
+
+
+def bf16_mlp(size: str):
+    """Float32 parameters, every matmul and activation in bfloat16, the loss in float32."""
+    batch, d, depth = (2048, 4096, 4) if size == "large" else (16, 32, 3)
+    params = [S((d, d), f32) for _ in range(depth)]
+    data = (S((batch, d), f32), S((batch, d), f32))
+
+    def loss(p, data):
+        x, y = data
+        h = x.astype(jnp.bfloat16)
+        for w in p:
+            h = jax.nn.relu(h @ w.astype(jnp.bfloat16))
+        return jnp.mean((h.astype(f32) - y) ** 2)
+
+    return sgd(loss), (params, data), (None, BATCH)
+
+
+def adam_mlp(size: str):
+    """A two-layer MLP trained by Adam: the state (parameters, two moments, step count) goes in and comes out."""
+    batch, d, hidden = (4096, 4096, 16384) if size == "large" else (16, 32, 64)
+    weights = {"w1": S((d, hidden), f32), "w2": S((hidden, d), f32)}
+    state = (weights, weights, weights, S((), f32))
+    data = (S((batch, d), f32), S((batch, d), f32))
+
+    def loss(p, data):
+        x, y = data
+        return jnp.mean((jnp.tanh(x @ p["w1"]) @ p["w2"] - y) ** 2)
+
+    def step(state, data):
+        p, m, v, t = state
+        value, g = jax.value_and_grad(loss)(p, data)
+        t = t + 1
+        m = jax.tree.map(lambda a, b: 0.9 * a + 0.1 * b, m, g)
+        v = jax.tree.map(lambda a, b: 0.999 * a + 0.001 * b * b, v, g)
+        p = jax.tree.map(lambda q, a, b: q - 1e-3 * (a / (1 - 0.9 ** t)) / (jnp.sqrt(b / (1 - 0.999 ** t)) + 1e-8),
+                         p, m, v)
+        return (p, m, v, t), value
+
+    return step, (state, data), (None, BATCH)
+
+
+def cnn2d(size: str):
+    """3x3 convolutions (NHWC), each followed by a 2x2 max pool, mean pooled into a classifier."""
+    batch, side, widths, classes = (128, 64, (3, 64, 128, 256), 1000) if size == "large" else (8, 16, (3, 8, 16), 10)
+    params = {"convs": [S((3, 3, a, b), f32) for a, b in zip(widths, widths[1:])], "head": S((widths[-1], classes), f32)}
+    data = (S((batch, side, side, 3), f32), S((batch,), jnp.int32))
+
+    def loss(p, data):
+        x, y = data
+        for k in p["convs"]:
+            x = lax.conv_general_dilated(x, k, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"))
+            x = lax.reduce_window(jax.nn.relu(x), -jnp.inf, lax.max, (1, 2, 2, 1), (1, 2, 2, 1), "VALID")
+        return cross_entropy(x.mean((1, 2)) @ p["head"], y)
+
+    return sgd(loss), (params, data), (None, BATCH)
+
+
+def moe_top2(size: str):
+    """Tokens routed to their top two experts (``lax.top_k``); every expert computed, the two kept by weight."""
+    tokens, d, experts, hidden = (8192, 1024, 8, 1024) if size == "large" else (32, 16, 4, 32)
+    params = {"router": S((d, experts), f32), "w1": S((experts, d, hidden), f32), "w2": S((experts, hidden, d), f32)}
+    data = (S((tokens, d), f32), S((tokens, d), f32))
+
+    def loss(p, data):
+        x, y = data
+        gate, chosen = lax.top_k(x @ p["router"], 2)
+        weights = (jax.nn.one_hot(chosen, experts) * jax.nn.softmax(gate, -1)[..., None]).sum(1)
+        h = jax.nn.relu(jnp.einsum("td,edh->teh", x, p["w1"]))
+        out = jnp.einsum("te,teh,ehd->td", weights, h, p["w2"])
+        return jnp.mean((out - y) ** 2)
+
+    return sgd(loss), (params, data), (None, BATCH)
+
+
+def segment_bag(size: str):
+    """Bags of embeddings (ids grouped by a sorted segment id) summed with ``jax.ops.segment_sum``."""
+    vocab, d, ids, bags = (131072, 256, 65536, 4096) if size == "large" else (64, 16, 32, 8)
+    params = {"embed": S((vocab, d), f32), "w": S((d, d), f32)}
+    data = (S((ids,), jnp.int32), S((ids,), jnp.int32), S((bags, d), f32))
+
+    def loss(p, data):
+        token, bag, y = data
+        summed = jax.ops.segment_sum(jnp.take(p["embed"], token, axis=0), bag, num_segments=bags)
+        return jnp.mean((jnp.tanh(summed @ p["w"]) - y) ** 2)
+
+    return sgd(loss), (params, data), (None, (P("data"), P("data"), None))
+
+
+PROGRAMS: dict[str, Callable] = {"vit": vit, "gru": gru, "mixer": mixer, "twotower": twotower, "conv1d": conv1d,
+                                 "remat_lm": remat_lm, "bf16_mlp": bf16_mlp, "adam_mlp": adam_mlp, "cnn2d": cnn2d,
+                                 "moe_top2": moe_top2, "segment_bag": segment_bag}

@@ -603,7 +603,7 @@ class ProblemBuilder:
         if not scope and x in self.uneven_arguments:
             # An uneven argument arrives evened and keeps that layout too: reaching it again is free.
             mesh, shardings = self.mesh, self.tables.shardings
-            table = np.array([[min(reshard_time_given(value.shape, value.itemsize, s, shardings[t], mesh,
+            table = np.array([[min(reshard_time_given(value.shape, value.wire_itemsize, s, shardings[t], mesh,
                                                       s.evened(value.shape, mesh)), FORBIDDEN) for t in dst]
                               for s in srcs], dtype=np.float64)
             self.add_edge(producer, to, table * scale if scale != 1 else table)
@@ -662,7 +662,7 @@ class ProblemBuilder:
                                                for dst, scale, c in distinct[to] if scale == 1)
                 continue
             (scale,) = scales
-            made = tables.table(value.shape, value.itemsize, src, hub)
+            made = tables.table(value.shape, value.wire_itemsize, src, hub)
             made = made * scale if scale != 1 else made
             rows = [self._read_table(value, hub, read) for read in by_reader.values()]
             idx = self.hub_at[key]
@@ -689,7 +689,7 @@ class ProblemBuilder:
         its strategy takes paid once (a layout an earlier read takes is served from the reshard cache)."""
         total = None
         for k, (dst, scale, *_) in enumerate(reads):
-            t = self.tables.table(value.shape, value.itemsize, rows, dst)
+            t = self.tables.table(value.shape, value.wire_itemsize, rows, dst)
             if k:
                 again = np.any(np.stack([r[0] == dst for r in reads[:k]]), axis=0)
                 t = np.where(again[None, :], 0.0, t)
@@ -729,7 +729,7 @@ class ProblemBuilder:
         for r in self.edge_reads:
             if r.consumer is not None and sums[r.consumer]:
                 continue
-            lat = tables.mergeable_latency(values[r.value].shape, values[r.value].itemsize,
+            lat = tables.mergeable_latency(values[r.value].shape, values[r.value].wire_itemsize,
                                            self.ids_at[((), r.value)] if r.src is None else r.src, r.dst)
             if lat:
                 found.append((r, lat))
@@ -923,7 +923,7 @@ class ProblemBuilder:
                 self.pins.append(Pin(idx, (cands.index(pinned),), label))
             # An uneven output leaves evened (JAX returns no uneven split): the producer reshards straight to that.
             leave = tables.ids([c.evened(value.shape, mesh) for c in cands])
-            self.edges[(producer, idx)] = tables.table(value.shape, value.itemsize, self.ids_at[((), x)], leave)
+            self.edges[(producer, idx)] = tables.table(value.shape, value.wire_itemsize, self.ids_at[((), x)], leave)
             self.reads.append(Read(producer, idx, x, None, leave))
             self.edge_reads.append(self.reads[-1])
 

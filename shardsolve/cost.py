@@ -64,7 +64,7 @@ from typing import Any, Callable, Iterable, NamedTuple, Sequence
 
 import numpy as np
 
-from shardsolve.hlo import parse_replica_groups
+from shardsolve.hlo import parse_replica_groups, shape_bytes
 from shardsolve.mesh import MeshAxis, MeshSpec
 from shardsolve.sharding import Sharding
 
@@ -85,7 +85,8 @@ class ReshardStep:
     ``dim`` is the dimension gathered/scattered/sliced (for all-to-all: the
     dimension that becomes sharded, i.e. split); ``concat_dim`` is the
     dimension an all-to-all unshards. ``bytes`` is per device, the larger of
-    the step's input and output buffers.
+    the step's input and output buffers, at the itemsize its caller gives
+    (the planner's: what the backend's collectives move, ``wire_itemsize``).
     """
 
     kind: str  # all-gather, all-reduce, reduce-scatter, all-to-all, collective-permute, slice or relabel
@@ -258,6 +259,46 @@ def communication_time(collectives: Iterable[Any], mesh: MeshSpec) -> float:
     Each counts ``repeats`` runs (a collective in a while body runs its trip count times).
     """
     return sum(hlo_collective_time(c, mesh) * getattr(c, "repeats", 1) for c in collectives)
+
+
+#: Elements in the all-reduce ``wire_itemsize`` compiles (per device).
+_WIRE_PROBE = 64
+
+
+@functools.lru_cache(maxsize=None)
+def wire_itemsize(dtype: Any) -> int:
+    """Bytes per element a collective of ``dtype`` moves on the default backend (the dtype's own size elsewhere).
+
+    XLA's CPU backend runs the collectives of a bfloat16 value in float32
+    (its float normalization widens them, and narrows the result back), so
+    they move twice the value's bytes; float16, the integers and accelerators'
+    collectives move the value as it is. Measured once per dtype by compiling
+    an all-reduce of it over two devices and reading the element type XLA
+    gives it; a dtype that is no float narrower than four bytes, a process
+    with one device, or a compile that fails is taken at its own size.
+    """
+    dt = np.dtype(dtype)
+    if dt.itemsize >= 4:
+        return dt.itemsize
+    try:
+        import jax
+        from jax.sharding import Mesh, PartitionSpec
+
+        if not jax.numpy.issubdtype(dt, jax.numpy.floating):  # (a sum of booleans, say, is JAX's int32 sum)
+            return dt.itemsize
+        devices = jax.devices()
+        if len(devices) < 2:
+            return dt.itemsize
+        mesh = Mesh(np.array(devices[:2]), ("wire",))
+        reduce = jax.jit(jax.shard_map(lambda x: jax.lax.psum(x, "wire"), mesh=mesh, in_specs=PartitionSpec("wire"),
+                                       out_specs=PartitionSpec()))
+        text = reduce.lower(jax.ShapeDtypeStruct((2 * _WIRE_PROBE,), dt)).compile().as_text()
+    except Exception:  # noqa: BLE001 - a backend that cannot say keeps the dtype's own size
+        return dt.itemsize
+    found = re.search(r"= (\S+) all-reduce(?:-start)?\(", text)
+    if found is None:
+        return dt.itemsize
+    return max(dt.itemsize, shape_bytes(found.group(1)) // _WIRE_PROBE)
 
 
 # -- reshard steps ---------------------------------------------------------------------

@@ -22,6 +22,7 @@ from typing import Any, Sequence
 import numpy as np
 from jax.extend import core as jcore
 
+from shardsolve.cost import wire_itemsize
 from shardsolve.sharding import Sharding
 from shardsolve.trace import Traced, inline_closed, leaf_names
 
@@ -53,6 +54,11 @@ class Value:
     @property
     def itemsize(self) -> int:
         return self.dtype.itemsize
+
+    @property
+    def wire_itemsize(self) -> int:
+        """Bytes per element its collectives move on the default backend (``cost.wire_itemsize``)."""
+        return wire_itemsize(self.dtype)
 
     @property
     def nbytes(self) -> int:

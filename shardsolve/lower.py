@@ -68,7 +68,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 
-from shardsolve.cost import ReshardStep, reshard_steps
+from shardsolve.cost import ReshardStep, reshard_steps, wire_itemsize
 from shardsolve.errors import ShardsolveError
 from shardsolve.graph import Graph, Lit, Op, OpView, ScanBoundary
 from shardsolve.mesh import MeshSpec
@@ -144,7 +144,7 @@ class PartitionedValue:
 
     def reshard(self, target: Sharding) -> PartitionedValue:
         """Run the ``cost.reshard_steps`` from this sharding to ``target``, one collective per step."""
-        steps = reshard_steps(self.shape, np.dtype(self.local.dtype).itemsize, self.sharding, target, self.mesh)
+        steps = reshard_steps(self.shape, wire_itemsize(self.local.dtype), self.sharding, target, self.mesh)
         if steps is None:
             raise ShardsolveError(f"cannot reshard a value from {self.sharding} to {target}: the plan is inconsistent")
         value = self.run(steps)
@@ -576,7 +576,8 @@ class EmittedCollective:
     """One collective the rewriter wrote into its program, read from the program's jaxpr.
 
     ``bytes`` per device, the larger of the input and output buffers (the
-    convention of ``cost.ReshardStep`` and ``hlo.HloCollective``); ``op_name`` the
+    convention of ``cost.ReshardStep`` and ``hlo.HloCollective``), at the
+    element size the backend moves (``cost.wire_itemsize``); ``op_name`` the
     JAX name stack (``ss12/ssr7``, as ``attribution`` reads). A collective in a
     scan body is listed once, as a compiled while loop shows it.
     """
@@ -609,7 +610,7 @@ def _walk_emitted(jaxpr, prefix: str, out: list[EmittedCollective]) -> None:
         if kind is not None:
             axes = eqn.params.get("axes", eqn.params.get("axis_name", ()))
             axes = (axes,) if isinstance(axes, str) else tuple(axes)
-            sizes = [math.prod(v.aval.shape) * np.dtype(v.aval.dtype).itemsize
+            sizes = [math.prod(v.aval.shape) * wire_itemsize(v.aval.dtype)
                      for v in list(eqn.invars) + list(eqn.outvars) if hasattr(v.aval, "shape")]
             out.append(EmittedCollective(kind, tuple(str(a) for a in axes), int(max(sizes, default=0)), where,
                                          eqn.primitive.name))

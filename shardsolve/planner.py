@@ -375,8 +375,28 @@ def search_plan(built: Built, time_limit: float | None, graph: Graph, mesh_spec:
         return _within_compiled_memory(graph, built, solution, mesh_spec, fun, args, source, limit, time_limit,
                                        seed, tie, say, progress, price, unlimited, internal, known)
     _refuse_unsolved(built, solution, limit)
+    plan = to_plan(graph, built, solution, mesh_spec, fun, source)
+    size = len(graph.ops) + sum(len(scan.body.ops) for scan in built.scans.values())
+    if limit is None and _devices_present(mesh_spec) and size <= PROPAGATION_CANDIDATE_OPS:
+        plan = _no_slower_than_propagation(plan, graph, built, mesh_spec, fun, source, say)
     say("done")
-    return to_plan(graph, built, solution, mesh_spec, fun, source)
+    return plan
+
+
+def _no_slower_than_propagation(plan: Plan, graph: Graph, built: Built, mesh: MeshSpec, fun: Callable,
+                                source: str, say: Callable[[str], None]) -> Plan:
+    """``plan``, or the plan of the shardings Shardy propagates from the same annotations where that one is
+    faster as plans are priced (``plan.stats``: ``propagation_cost``, and ``propagation_kept``); the problem's
+    pricing of merged collectives can miss a plan whose reductions XLA merges into one."""
+    known = _propagated(graph, built, mesh, fun, source, say)
+    if known is None:
+        return plan
+    stats = dict(plan.stats) | {"propagation_cost": known[0].cost.total}
+    if known[0].cost.total < plan.cost.total:
+        say(f"propagation's plan is faster ({known[0].cost.total:.4g} s against {plan.cost.total:.4g} s): kept")
+        stats["propagation_kept"] = True
+        plan = dataclasses.replace(known[0], solve_time=plan.solve_time)
+    return dataclasses.replace(plan, stats=tuple(sorted(stats.items())))
 
 
 #: With ``hints``, the solves with the hinted arguments pinned get this share of ``time_limit``, the rest the others.
@@ -471,6 +491,13 @@ OPTIMISM = 0.005  # how much a problem's pricing of merged collectives may cost 
 #: all terminal reductions merged, merged as the first plan merges them (``Built.priced_for``), none merged
 #: (the later ones start from problems whose layers prove alike, and usually end in a fraction of a second).
 MERGE_SHARES = (0.6, 0.2, 0.2)
+#: Without a memory limit, the plan of the shardings Shardy propagates from the same annotations is read and
+#: priced as a candidate where the program has at most this many operations (scan bodies' included): reading
+#: them compiles the program once, which on small programs costs about a second (the 53 operations of an Adam
+#: step 0.6 s, a 449-operation ViT 2.3 s) and on a 12-layer GPT-2 (22,000 operations with its gradient) 7 s,
+#: three times its plan. On small programs the latency of merged collectives, which the solver's problem prices
+#: only approximately, is most of the step time.
+PROPAGATION_CANDIDATE_OPS = 1000
 
 
 class SolvingNet:
@@ -680,23 +707,10 @@ def _propagation_plan(graph: Graph, built: Built, mesh: MeshSpec, fun: Callable,
     """Propagation's program from the same annotations (``built``'s pins of one strategy, hints included) as a
     plan of ``built``'s problem, its compiled peak and its assignment, where it fits ``limit`` as compiled; None
     where it does not, or where its shardings cannot be read (``shardsolve.propagation``)."""
-    say("reading the shardings Shardy propagates from the annotations")
-    free = _limited(built, None)
-    try:
-        scoped = propagated_scopes(graph, built, mesh, *_pinned_shardings(graph, built))
-    except KeyboardInterrupt:  # Ctrl-C: no plan is known to fit yet
-        raise Interrupted(None) from None
-    except Exception as e:  # noqa: BLE001 - a program propagation cannot compile is planned without its start
-        say(f"propagation's shardings could not be read ({str(e).splitlines()[0] if str(e) else type(e).__name__}); "
-            "searching without them")
+    found = _propagated(graph, built, mesh, fun, source, say)
+    if found is None:
         return None
-    x, matched = propagated_assignment(graph, free, scoped)
-    x = tuple(int(s) for s in complete(flatten(free.problem), x, np.flatnonzero(~matched)))
-    cost = free.problem.evaluate(x)
-    if not math.isfinite(cost):
-        say("propagation's shardings make no plan the model allows: searching without them")
-        return None
-    plan = to_plan(graph, free, Solution(x, cost, 0.0, "feasible"), mesh, fun, source)
+    plan, x = found
     say("compiling propagation's plan to read its memory")
     try:
         compiled = compiled_peak(plan, args)
@@ -707,6 +721,30 @@ def _propagation_plan(graph: Graph, built: Built, mesh: MeshSpec, fun: Callable,
         return None
     say(f"propagation's plan fits as compiled ({format_bytes(compiled)}): the search starts from it")
     return plan, compiled, x
+
+
+def _propagated(graph: Graph, built: Built, mesh: MeshSpec, fun: Callable, source: str,
+                say: Callable[[str], None]) -> tuple[Plan, tuple[int, ...]] | None:
+    """The plan of the shardings Shardy propagates from ``built``'s pins of one strategy (hints included), as a
+    plan of ``built``'s problem without a memory limit, and its assignment; None where they cannot be read or
+    make no plan the model allows (``shardsolve.propagation``)."""
+    say("reading the shardings Shardy propagates from the annotations")
+    free = _limited(built, None)
+    try:
+        scoped = propagated_scopes(graph, built, mesh, *_pinned_shardings(graph, built))
+    except KeyboardInterrupt:  # Ctrl-C: no plan is known from it yet
+        raise Interrupted(None) from None
+    except Exception as e:  # noqa: BLE001 - a program propagation cannot compile is planned without it
+        say(f"propagation's shardings could not be read ({str(e).splitlines()[0] if str(e) else type(e).__name__}); "
+            "going on without them")
+        return None
+    x, matched = propagated_assignment(graph, free, scoped)
+    x = tuple(int(s) for s in complete(flatten(free.problem), x, np.flatnonzero(~matched)))
+    cost = free.problem.evaluate(x)
+    if not math.isfinite(cost):
+        say("propagation's shardings make no plan the model allows: going on without them")
+        return None
+    return to_plan(graph, free, Solution(x, cost, 0.0, "feasible"), mesh, fun, source), x
 
 
 def _pinned_shardings(graph: Graph, built: Built) -> tuple[list[Sharding | None], list[Sharding | None]]:

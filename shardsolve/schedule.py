@@ -233,7 +233,7 @@ class _Builder:
         if (vid, target) in at.seen:
             source, steps = target, ()
         else:
-            path = reshard_steps(value.shape, value.itemsize, start, target, self.mesh)
+            path = reshard_steps(value.shape, value.wire_itemsize, start, target, self.mesh)
             if path is None:
                 raise ShardsolveError(f"cannot reshard {value.name} from {start} to {target}: the plan is "
                                       "inconsistent; plan the model again")
@@ -258,9 +258,9 @@ class _Builder:
                 break
             if layout == source:
                 continue
-            t = reshard_time(value.shape, value.itemsize, layout, target, mesh)
+            t = reshard_time(value.shape, value.wire_itemsize, layout, target, mesh)
             if t < best * (1 - 1e-9):
-                source, steps, best = layout, reshard_steps(value.shape, value.itemsize, layout, target, mesh), t
+                source, steps, best = layout, reshard_steps(value.shape, value.wire_itemsize, layout, target, mesh), t
         return source, steps
 
     def walk(self, at: _Scope, ops: Sequence[Any], out_targets: Sequence[Sharding], out_names: Sequence[str]) -> None:

@@ -282,20 +282,25 @@ def random_solver(seed: int) -> Callable:
 
 
 def plan_with_solver(solver: Callable | None, fun: Callable, *args: Any, **kwargs: Any):
-    """``shardsolve.plan`` with ``solver`` standing in for ``shardsolve.encodings.solve`` (None: the real one)."""
+    """``shardsolve.plan`` with ``solver`` standing in for ``shardsolve.encodings.solve`` (None: the real one),
+    its plan kept as it is (propagation's plan is no candidate)."""
     import shardsolve
     import shardsolve.encodings as encodings
+    from shardsolve import planner
 
     if solver is None:
         return shardsolve.plan(fun, *args, **kwargs)
     missing = object()
     saved = getattr(encodings, "solve", missing)
+    saved_ops = planner.PROPAGATION_CANDIDATE_OPS
     encodings.solve = solver
+    planner.PROPAGATION_CANDIDATE_OPS = -1
     if not hasattr(encodings, "explain_infeasible"):
         encodings.explain_infeasible = lambda problem: ()
     try:
         return shardsolve.plan(fun, *args, **kwargs)
     finally:
+        planner.PROPAGATION_CANDIDATE_OPS = saved_ops
         if saved is missing:
             del encodings.solve
         else:

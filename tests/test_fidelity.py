@@ -64,6 +64,31 @@ def test_verify_requires_predicted_lowered_and_compiled_to_agree():
     assert inventory(emitted, plan.mesh) == report.predicted
 
 
+def test_low_precision_collectives_are_priced_as_the_backend_moves_them():
+    """A bfloat16 value's reshards and pending sums: the plan predicts the bytes XLA's collectives move (the CPU
+    backend runs them in float32), and prices its time from them, as the compiled program is priced."""
+    def loss(ws, x):
+        h = x.astype(jnp.bfloat16)
+        for w in ws:
+            h = jax.nn.relu(h @ w.astype(jnp.bfloat16))
+        return jnp.mean(h.astype(jnp.float32) ** 2)
+
+    def step(ws, x):
+        return jax.tree.map(lambda w, g: w - 0.01 * g, ws, jax.grad(loss)(ws, x))
+
+    args = ([_rand((32, 32), k) * 0.2 for k in range(3)], _rand((16, 32), 3))
+    plan = shardsolve.plan(step, *args, mesh=MESH, in_shardings=(None, P("data")))
+    assert any(np.dtype(plan.graph.values[c.value].dtype) == jnp.bfloat16 for c in plan.collectives), \
+        "no bfloat16 value is resharded"
+    report = shardsolve.verify(plan, *args, rtol=2e-2)  # bfloat16 inside
+    assert report.ok, report
+    assert report.predicted == report.lowered == report.jax
+    compiled = collectives_from_hlo(plan.jit().lower(*args).compile().as_text(), plan.mesh)
+    assert sum(c.bytes for c in compiled) == sum(c.bytes for c in plan.collectives)
+    column = judge("shardsolve", plan.jit().lower(*args).compile(), plan.mesh)
+    assert column.communication == pytest.approx(plan.cost.communication, rel=1e-6)
+
+
 def test_pinned_execution_is_jax_with_constraints():
     plan, args = _partial_plan()
     pinned = plan.jit(execution="pinned")
