@@ -64,7 +64,7 @@ from typing import Any, Callable, Iterable, NamedTuple, Sequence
 
 import numpy as np
 
-from shardsolve.hlo import parse_replica_groups, shape_bytes
+from shardsolve.hlo import collective_kind, instructions, parse_replica_groups, shape_bytes, tuple_components
 from shardsolve.mesh import MeshAxis, MeshSpec
 from shardsolve.sharding import Sharding
 
@@ -295,10 +295,12 @@ def wire_itemsize(dtype: Any) -> int:
         text = reduce.lower(jax.ShapeDtypeStruct((2 * _WIRE_PROBE,), dt)).compile().as_text()
     except Exception:  # noqa: BLE001 - a backend that cannot say keeps the dtype's own size
         return dt.itemsize
-    found = re.search(r"= (\S+) all-reduce(?:-start)?\(", text)
-    if found is None:
-        return dt.itemsize
-    return max(dt.itemsize, shape_bytes(found.group(1)) // _WIRE_PROBE)
+    for ins in instructions(text):
+        kind, is_async = collective_kind(ins.opcode)
+        if kind == "all-reduce":  # (an async start's shape is the pair (operand, result))
+            shape = tuple_components(ins.shape)[-1] if is_async else ins.shape
+            return max(dt.itemsize, shape_bytes(shape) // _WIRE_PROBE)
+    return dt.itemsize
 
 
 # -- reshard steps ---------------------------------------------------------------------
