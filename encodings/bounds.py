@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import threading
 import time
 
 import numpy as np
@@ -177,12 +178,47 @@ def trws_gamma(flat: Flat) -> np.ndarray:
 
 #: ``trws_bound``'s ``stall`` test starts at this many passes (against the bound at half as many).
 STALL_FROM = 64
+#: ``trws_bound`` checks its bound every this many passes (and after passes 2 and 4) and runs the passes
+#: between two checks in one compiled call of at most ``CHUNK_ENTRIES`` table entries' work (its wall net is
+#: looked at between calls).
+CHECK_EVERY = 4
+CHUNK_ENTRIES = 1 << 23
+
+
+class Later:
+    """A number settled after a computation that reads it has started: ``trws_bound``'s ``target``,
+    ``passes`` and ``wall_limit`` for passes run ahead on another thread (``tying.BoundAhead``).
+
+    ``peek`` is ``default`` until ``settle``; ``get`` waits for the settled value. ``settled_at`` is the
+    ``time.perf_counter()`` of the settling (a wall-clock net counts from it).
+    """
+
+    def __init__(self, default: float | None):
+        self.default = default
+        self.value: float | None = None
+        self.settled_at = math.inf
+        self._known = threading.Event()
+
+    def settle(self, value: float | None) -> None:
+        if not self._known.is_set():
+            self.value, self.settled_at = value, time.perf_counter()
+            self._known.set()
+
+    def known(self) -> bool:
+        return self._known.is_set()
+
+    def peek(self) -> float | None:
+        return self.value if self._known.is_set() else self.default
+
+    def get(self) -> float | None:
+        self._known.wait()
+        return self.value
 
 
 def trws_bound(
-    flat, passes: int = 60, target: float = math.inf, decoded: list | None = None, *,
-    wall_limit: float | None = None, final_only: bool = False, decode_every: int = 0, ran: list | None = None,
-    terms: bool = True, stall: float = 0.0,
+    flat, passes: int | Later = 60, target: float | Later = math.inf, decoded: list | None = None, *,
+    wall_limit: float | Later | None = None, final_only: bool = False, decode_every: int = 0,
+    ran: list | None = None, terms: bool = True, stall: float = 0.0, free_passes: int = 0,
 ) -> tuple[float, list[np.ndarray] | None, list[np.ndarray] | None]:
     """A certified lower bound by sequential tree-reweighted message passing (TRW-S), memory relaxed.
 
@@ -221,6 +257,14 @@ def trws_bound(
     ``stall`` (with a finite ``target``): the passes also stop once doubling them (from ``STALL_FROM`` passes
     on) closed less than that part of what was left to ``target``: the bound creeps towards an LP optimum
     short of the target, and the passes are better spent by the caller elsewhere.
+
+    ``passes``, ``target`` and ``wall_limit`` may be ``Later``s, settled while the passes run (on another
+    thread): the passes wait for ``passes`` from pass ``free_passes`` on (at most that many is known to be
+    allowed); the checks made before ``target`` is settled are tested against it once it is, in order, and
+    where the stall test would have stopped at one of them, the bound and messages of that check are
+    returned (kept for every check the stall test may stop at). Where the target is met, the passes stop
+    at the first check that knows it (the bound is then at least the target, as it would have been). The
+    wall net counts from its settling.
     """
     started = time.perf_counter()
     n = flat.n
@@ -259,36 +303,70 @@ def trws_bound(
 
     hat = kernels.hats(packed, to_u, to_v)
     # The best bound's messages (copies); its terms are rebuilt from them once, at the end.
-    if final_only and passes > 0:
+    if final_only and (isinstance(passes, Later) or passes > 0):
         best, best_at = -math.inf, None
     else:
         best, best_at = kernels.reparametrised_value(packed, True, to_u, to_v), (True, to_u.copy(), to_v.copy())
     found, found_cost = None, math.inf  # the cheapest valid assignment read off so far (``decode_every``)
     at_half: dict[int, float] = {}  # the best bound after each power of two of passes (``stall``)
+    snapshots: dict[int, tuple] = {}  # ... with its messages, where the stall test may stop
+    checks: list[tuple[int, float]] = []  # (passes, best bound) of the checks not yet tested against the target
+
+    def stalled(d: int, b: float, goal: float) -> bool:
+        """Whether the stall test stops the passes at the check after ``d`` passes (best bound ``b``)."""
+        return bool(stall) and math.isfinite(goal) and d >= STALL_FROM // 2 and d & (d - 1) == 0 and (
+            d // 2 in at_half and b - at_half[d // 2] < stall * (goal - b))
+
     done = 0
-    for k in range(passes):
+    total = passes if not isinstance(passes, Later) else None  # the passes allowed, once known
+    chunk = max(1, min(CHECK_EVERY, CHUNK_ENTRIES // max(1, int(packed.toff[-1]))))
+    k = -1
+    while True:
+        k += 1
+        # the passes up to the next check (or ``chunk`` of them) in one call
+        last = k + chunk - 1 if final_only else min(j for j in (1, 3, 7, k + (-k - 1) % CHECK_EVERY) if j >= k)
+        last = min(last, k + chunk - 1)
+        if total is None and last >= free_passes - 1:  # (its last pass may be the last: its check depends on it)
+            total = int(passes.get())
+        if total is not None:
+            if k >= total:
+                break
+            last = min(last, total - 1)
+        kernels.trws_passes(packed, k, last - k + 1, hat, to_u, to_v)
+        k = last
         done = k + 1
         forward = k % 2 == 0
-        kernels.trws_pass(packed, forward, hat, to_u, to_v)
-        late = wall_limit is not None and time.perf_counter() - started > wall_limit
-        often = not final_only and (k in (1, 3, 7) or k % 4 == 3)
-        if often or k == passes - 1 or late:  # a bound costs about a pass: check less often
+        late = _late(wall_limit, started)
+        often = not final_only and (k in (1, 3, 7) or k % CHECK_EVERY == CHECK_EVERY - 1)
+        if often or k == (total or 0) - 1 or late:  # a bound costs about a pass: check less often
             value = kernels.reparametrised_value(packed, forward, to_u, to_v)
             if value > best:
                 best, best_at = value, (forward, to_u.copy(), to_v.copy())
-            if decode_every and decoded is not None and ((k + 1) % decode_every == 0 or k == passes - 1 or late):
+            if decode_every and decoded is not None and ((k + 1) % decode_every == 0 or k == (total or 0) - 1 or late):
                 x = decode()
                 cost = evaluate(flat, x)
                 if cost < found_cost:
                     found, found_cost = x, cost
                 if best >= found_cost - 1e-9 * abs(found_cost):
                     break
-            if best >= target or late:
-                break
-            if stall and math.isfinite(target) and done >= STALL_FROM // 2 and done & (done - 1) == 0:
-                if done // 2 in at_half and best - at_half[done // 2] < stall * (target - best):
-                    break
+            if stall and done >= STALL_FROM // 2 and done & (done - 1) == 0:
                 at_half[done] = best
+                snapshots[done] = (best, best_at)
+            checks.append((done, best))
+            goal = target if not isinstance(target, Later) else target.value if target.known() else None
+            if goal is not None:  # the checks since the last one that knew the target, as if it had
+                stop = None
+                for d, b in checks:
+                    stop = "met" if b >= goal else "stall" if stalled(d, b, goal) else None
+                    if stop is not None:
+                        break
+                checks.clear()
+                if stop == "stall":  # where the passes would have stopped (met: stop here, the bound is no lower)
+                    (best, best_at), done = snapshots[d], d
+                if stop is not None:
+                    break
+            if late:
+                break
     if decoded is not None:
         decoded.append(found if found is not None else decode())
     if ran is not None:
@@ -297,6 +375,14 @@ def trws_bound(
     if terms and best_at is not None:
         best_nodes, best_edges = terms_of(*best_at)  # the terms whose minima ``best`` sums
     return best, best_nodes, best_edges
+
+
+def _late(wall_limit: float | Later | None, started: float) -> bool:
+    """Whether ``trws_bound``'s wall-clock net has passed (a ``Later`` net counts from its settling)."""
+    if isinstance(wall_limit, Later):
+        limit = wall_limit.peek()
+        return limit is not None and time.perf_counter() - max(started, wall_limit.settled_at) > limit
+    return wall_limit is not None and time.perf_counter() - started > wall_limit
 
 
 def pruned_above(flat: Flat, node_terms: list[np.ndarray], edge_terms: list[np.ndarray], slack: float) -> Flat:

@@ -15,7 +15,8 @@ message to its first node at ``uoff[e]``, ``to_v`` to its second at
 ``voff[e]``), and each node's neighbours after it and before it in index
 order (the sends of a forward and of a backward pass) as CSR lists.
 The kernels compute what the numpy expressions in ``bounds`` did, in the same
-order of floating-point operations.
+order of floating-point operations. They run without Python's lock (``nogil``),
+so passes on another thread (``tying.BoundAhead``) run beside the caller's work.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 from numba import njit
 
-__all__ = ["Packed", "pack", "trws_pass", "reparametrised_value", "hats"]
+__all__ = ["Packed", "pack", "trws_pass", "trws_passes", "reparametrised_value", "hats"]
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -99,7 +100,7 @@ def pack(costs: list[np.ndarray], tables: list[np.ndarray], eu, ev, adj, gamma: 
 _I, _F, _I2 = "int64[::1]", "float64[::1]", "int64[:, ::1]"
 
 
-@njit(f"{_F}({_I}, {_F}, {_I}, {_I}, {_I}, {_F}, {_I}, {_F})", cache=True)
+@njit(f"{_F}({_I}, {_F}, {_I}, {_I}, {_I}, {_F}, {_I}, {_F})", cache=True, nogil=True)
 def _hats(noff, costs, eu, ev, uoff, to_u, voff, to_v):  # pragma: no cover - compiled
     hat = costs.copy()
     for e in range(len(eu)):
@@ -119,7 +120,7 @@ def hats(p: Packed, to_u: np.ndarray, to_v: np.ndarray) -> np.ndarray:
     return _hats(p.noff, p.costs, p.eu, p.ev, p.uoff, to_u, p.voff, to_v)
 
 
-@njit(f"void(boolean, {_I}, {_F}, {_F}, {_I}, {_I2}, {_I}, {_F}, {_I}, {_F}, {_I}, {_F}, int64)", cache=True)
+@njit(f"void(boolean, {_I}, {_F}, {_F}, {_I}, {_I2}, {_I}, {_F}, {_I}, {_F}, {_I}, {_F}, int64)", cache=True, nogil=True)
 def _pass(forward, noff, hat, gamma, ptr, sends, toff, tables, uoff, to_u, voff, to_v, buffer):  # pragma: no cover
     n = len(noff) - 1
     share = np.empty(buffer)
@@ -169,6 +170,24 @@ def _pass(forward, noff, hat, gamma, ptr, sends, toff, tables, uoff, to_u, voff,
                 out[off + b] = x
 
 
+@njit(f"void(int64, int64, {_I}, {_F}, {_F}, {_I}, {_I2}, {_I}, {_I2}, {_I}, {_F}, {_I}, {_F}, {_I}, {_F}, int64)",
+      cache=True, nogil=True)
+def _passes(first, count, noff, hat, gamma, aptr, ahead, bptr, behind, toff, tables, uoff, to_u, voff, to_v,
+            buffer):  # pragma: no cover - compiled
+    for k in range(first, first + count):
+        if k % 2 == 0:
+            _pass(True, noff, hat, gamma, aptr, ahead, toff, tables, uoff, to_u, voff, to_v, buffer)
+        else:
+            _pass(False, noff, hat, gamma, bptr, behind, toff, tables, uoff, to_u, voff, to_v, buffer)
+
+
+def trws_passes(p: Packed, first: int, count: int, hat: np.ndarray, to_u: np.ndarray, to_v: np.ndarray) -> None:
+    """Passes ``first`` to ``first + count - 1`` (even ones forward, odd ones backward) as ``trws_pass`` runs
+    them, in one call (without Python's lock throughout)."""
+    _passes(first, count, p.noff, hat, p.gamma, p.ahead_ptr, p.ahead, p.behind_ptr, p.behind, p.toff, p.tables,
+            p.uoff, to_u, p.voff, to_v, max(p.buffer, 1))
+
+
 def trws_pass(p: Packed, forward: bool, hat: np.ndarray, to_u: np.ndarray, to_v: np.ndarray) -> None:
     """One TRW-S pass (forward: nodes in index order, each sending to its later neighbours; backward: the
     reverse), updating the messages and ``hat`` in place."""
@@ -177,7 +196,7 @@ def trws_pass(p: Packed, forward: bool, hat: np.ndarray, to_u: np.ndarray, to_v:
           max(p.buffer, 1))
 
 
-@njit(f"float64(boolean, {_I}, {_F}, {_I}, {_I}, {_F}, {_I}, {_F}, {_I}, {_F}, {_I}, {_F})", cache=True)
+@njit(f"float64(boolean, {_I}, {_F}, {_I}, {_I}, {_F}, {_I}, {_F}, {_I}, {_F}, {_I}, {_F})", cache=True, nogil=True)
 def _value(forward, noff, costs, eu, ev, gamma, toff, tables, uoff, to_u, voff, to_v):  # pragma: no cover
     hat = _hats(noff, costs, eu, ev, uoff, to_u, voff, to_v)
     n = len(noff) - 1

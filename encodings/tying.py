@@ -54,6 +54,7 @@ its optimum (planner problems have a tight LP), else by ``encodings.solve``.
 from __future__ import annotations
 
 import math
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
@@ -63,8 +64,8 @@ import numpy as np
 # ``solve`` is called through the package so that a stand-in for it (tests/lower_cases.py) also plans tied problems
 from shardsolve import encodings
 from shardsolve.encodings import portfolio
-from shardsolve.encodings.bounds import pruned_above, trws_bound, trws_charge, trws_pass_charge
-from shardsolve.encodings.flat import evaluate, flatten
+from shardsolve.encodings.bounds import Later, pruned_above, trws_bound, trws_charge, trws_pass_charge
+from shardsolve.encodings.flat import Flat, evaluate, flatten
 from shardsolve.encodings.presolve import ENTRY_CHARGE, Reduced, component_labels, reduce
 from shardsolve.errors import InfeasibleError, Interrupted
 from shardsolve.problem import FORBIDDEN, Edge, Node, Problem, Solution
@@ -95,6 +96,65 @@ BOUND_STALL = 0.05
 PRUNED_SETUP_WALL = 1e-7
 #: Classes smaller than this are not worth an edge.
 MIN_CLASS = 2
+#: The untied bound's passes start on a second thread once the untied problem is reduced (``BoundAhead``);
+#: False runs them after the tied solve, on the caller's (the same bound).
+AHEAD = True
+
+
+class BoundAhead:
+    """``untied_bound``'s TRW-S passes over the untied reduced problem, started on a second thread as soon as
+    the problem is reduced, while the tied problem is solved and its plan priced (which need one core; the
+    passes run compiled, without Python's lock).
+
+    The passes wait for what they need of the tied plan (``untied_bound`` settles the target, the passes and
+    the wall net) wherever it changes their course (``bounds.trws_bound`` with ``Later``s), so the bound is
+    the one ``untied_bound`` computes alone. ``least_seconds``: the least budget ``untied_bound`` may get
+    (the passes it allows are run without waiting). ``cancel`` stops passes not wanted any more.
+    """
+
+    def __init__(self, reduced: Reduced, least_seconds: float):
+        self.reduced = reduced
+        self.flat = flatten(reduced.problem)
+        self.free_passes = _bound_passes(self.flat, least_seconds)
+        self.target, self.passes, self.wall = Later(math.inf), Later(None), Later(None)
+        self.ran: list = []
+        self._result = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="shardsolve-untied-bound", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            self._result = trws_bound(self.flat, self.passes, target=self.target, wall_limit=self.wall,
+                                      ran=self.ran, stall=BOUND_STALL, free_passes=self.free_passes)
+        except BaseException as e:  # handed to the caller of ``result``
+            self._error = e
+
+    def result(self, passes: int, target: float, wall: float):
+        """``trws_bound``'s result for these settings, or None where the passes may already have run past
+        ``passes`` (``untied_bound`` then runs them itself)."""
+        if passes < self.free_passes:
+            self.cancel()
+            return None
+        self.target.settle(target)
+        self.wall.settle(wall)
+        self.passes.settle(passes)
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+    def cancel(self) -> None:
+        """Stop the passes at their next check (their result is not wanted)."""
+        self.target.settle(-math.inf)
+        self.wall.settle(0.0)
+        self.passes.settle(0)
+
+
+def _bound_passes(flat: Flat, time_limit: float, passes: int = 2000) -> int:
+    """The TRW-S passes ``untied_bound`` allows itself in ``time_limit`` seconds of work."""
+    work = portfolio.WORK_PER_SECOND * time_limit  # the passes' share in work units, as ``encodings.solve`` counts
+    return int(max(2, min(passes, BOUND_PASS_SHARE * work / trws_pass_charge(flat))))
 
 
 class _Dense:
@@ -331,7 +391,7 @@ def merge(problem: Problem, pairs: Sequence[tuple[int, int, np.ndarray]]) -> tup
 
 def untied_bound(
     reduced: Reduced, upper: float, *, passes: int = 2000, time_limit: float = 10.0, seed: int = 0,
-    wall_limit: float | None = None, start: Sequence[int] | None = None,
+    wall_limit: float | None = None, start: Sequence[int] | None = None, ahead: BoundAhead | None = None,
 ) -> tuple[float, str, tuple[int, ...] | None]:
     """A certified lower bound of the untied problem, given the cost ``upper`` of one of its assignments.
 
@@ -346,7 +406,8 @@ def untied_bound(
        is quick.
 
     ``start``: the reduced problem's assignment of cost ``upper`` (the tied plan), where the pruned search
-    starts (it keeps every entry of an assignment of that cost).
+    starts (it keeps every entry of an assignment of that cost). ``ahead``: the passes, started earlier
+    (``BoundAhead`` of ``reduced``), the same bound sooner.
 
     ``time_limit`` covers both: the passes are at most ``BOUND_PASS_SHARE`` of
     it (``bounds.trws_pass_charge`` a pass), the pruned solve gets the
@@ -361,20 +422,28 @@ def untied_bound(
     None.
     """
     started = time.perf_counter()
-    flat = flatten(reduced.problem)
+    if ahead is not None and ahead.reduced is not reduced:
+        ahead.cancel()
+        ahead = None
+    flat = flatten(reduced.problem) if ahead is None else ahead.flat
     offset = reduced.offset
     if flat.n == 0:
+        if ahead is not None:
+            ahead.cancel()
         return offset, "trws", None
     wall = portfolio.wall_net(time_limit) if wall_limit is None else wall_limit
-    per_pass = trws_pass_charge(flat)
-    work = portfolio.WORK_PER_SECOND * time_limit  # the passes' share in work units, as ``encodings.solve`` counts
-    passes = int(max(2, min(passes, BOUND_PASS_SHARE * work / per_pass)))
+    passes = _bound_passes(flat, time_limit, passes)
     ub = upper - offset
     tol = 1e-9 * max(abs(ub), 1e-300)  # "meets": as ``encodings.solve`` calls a bound optimal
     margin = 1e-10 * max(abs(ub), 1e-300)  # floating-point error of the reparametrised sums
-    ran: list = []
-    lb, node_terms, edge_terms = trws_bound(flat, passes, target=ub - tol + margin,
-                                            wall_limit=BOUND_PASS_SHARE * wall, ran=ran, stall=BOUND_STALL)
+    target = ub - tol + margin
+    found = None if ahead is None else ahead.result(passes, target, BOUND_PASS_SHARE * wall)
+    if found is not None:
+        (lb, node_terms, edge_terms), ran = found, ahead.ran
+    else:
+        ran = []
+        lb, node_terms, edge_terms = trws_bound(flat, passes, target=target, wall_limit=BOUND_PASS_SHARE * wall,
+                                                ran=ran, stall=BOUND_STALL)
     lb -= margin
     if lb >= ub - tol:
         return upper, "trws", None
@@ -468,7 +537,8 @@ def solve_tied(
     tied member that differs from its representative is repaired like any other forbidden pair).
 
     ``certify=False`` stops after the tied solve: the solution is
-    ``"feasible"`` with the trivial bound (``tie_bound`` ``"deferred"``), and
+    ``"feasible"`` with the sum of the reduced problem's least costs as its bound (``tie_bound``
+    ``"deferred"``), and
     ``stats["bound_reserve_s"]`` is the work budget the untied bound would have
     had. ``certify`` (the function) bounds it later, with that reserve or more:
     a caller that solves several problems bounds only the plan it keeps.
@@ -501,6 +571,8 @@ def solve_tied(
         without a limit."""
         return None if time_limit is None else max(MIN_SECONDS, part * (float(time_limit) - reduce_work))
 
+    ahead = _start_ahead(reduced, BOUND_SECONDS if time_limit is None else share(1.0 - TIED_SHARE))
+
     if problem.usage_limit is None:  # fold the ties directly (the solver's reductions would, more slowly)
         merged, lift_merged = merge(reduced.problem, tied.pairs)
 
@@ -519,14 +591,20 @@ def solve_tied(
     try:
         inner = solve_tied_problem(inner_problem, share(TIED_SHARE), seed, progress, wall(TIED_SHARE), inner_start)
     except KeyboardInterrupt as interrupt:  # the tied search's best (``Interrupted``), as one of the untied problem
+        cancel_ahead()
         best = getattr(interrupt, "solution", None)
         raise _interrupted(problem, lift(best.assignment) if best is not None and best.assignment else None,
                            started) from None
+    except BaseException:
+        cancel_ahead()
+        raise
     if inner is None:
+        cancel_ahead()
         return None
     assignment = lift(inner.assignment)
     cost = problem.evaluate(assignment)
     if not math.isfinite(cost):
+        cancel_ahead()
         return None
     inner_stats = dict(inner.stats or {})
     stats = dict(reduced.stats)  # the untied problem's sizes before and after the exact reductions
@@ -547,18 +625,39 @@ def solve_tied(
             "bound_reserve_s": reserve,
         }
     )
-    solution = Solution(tuple(int(s) for s in assignment), cost, _trivial_bound(problem, cost), "feasible",
+    solution = Solution(tuple(int(s) for s in assignment), cost, _minima_bound(reduced, cost), "feasible",
                         time.perf_counter() - started, (), stats)
     if not certify:
         _REDUCED.append((problem, reduced))
         del _REDUCED[:-_REDUCED_KEPT]
         return solution
-    return _certified(problem, reduced, solution, reserve, seed, wall(1.0), started)
+    _AHEAD[:] = []
+    return _certified(problem, reduced, solution, reserve, seed, wall(1.0), started, ahead)
 
 
 #: ``solve_tied(certify=False)`` keeps the reductions of its last few problems for ``certify`` (which clears them).
 _REDUCED: list[tuple[Problem, Reduced]] = []
 _REDUCED_KEPT = 3
+#: The one ``BoundAhead`` running (of the last problem ``solve_tied`` reduced), or none.
+_AHEAD: list[BoundAhead] = []
+
+
+def _start_ahead(reduced: Reduced, least_seconds: float) -> BoundAhead | None:
+    """The untied bound's passes over ``reduced`` started ahead (``BoundAhead``), in place of any running; None
+    where there is nothing to bound."""
+    cancel_ahead()
+    if not AHEAD or not reduced.problem.nodes:
+        return None
+    ahead = BoundAhead(reduced, least_seconds)
+    _AHEAD.append(ahead)
+    return ahead
+
+
+def cancel_ahead() -> None:
+    """Stop the untied bound's passes started ahead (``BoundAhead``) that no ``certify`` has taken."""
+    for ahead in _AHEAD:
+        ahead.cancel()
+    _AHEAD.clear()
 
 
 def certify(problem: Problem, solution: Solution, *, time_limit: float | None = None, seed: int = 0,
@@ -574,10 +673,14 @@ def certify(problem: Problem, solution: Solution, *, time_limit: float | None = 
     started = time.perf_counter()
     reduced = next((r for p, r in reversed(_REDUCED) if p is problem), None)
     _REDUCED.clear()  # the caller bounds the one plan it keeps: the other problems' reductions are not needed
+    ahead = next((a for a in _AHEAD if reduced is not None and a.reduced is reduced), None)
+    if ahead is not None:
+        _AHEAD.remove(ahead)
+    cancel_ahead()
     if reduced is None:
         reduced = reduce(problem)
     limit = float(stats["bound_reserve_s"]) if time_limit is None else float(time_limit)
-    return _certified(problem, reduced, solution, limit, seed, wall_limit, started)
+    return _certified(problem, reduced, solution, limit, seed, wall_limit, started, ahead)
 
 
 def _trivial_bound(problem: Problem, cost: float) -> float:
@@ -587,16 +690,28 @@ def _trivial_bound(problem: Problem, cost: float) -> float:
     return min(0.0, cost) if nonnegative else -math.inf
 
 
+def _minima_bound(reduced: Reduced, cost: float) -> float:
+    """A bound of the problem ``reduced`` comes from, known without search: the least entry of each of its
+    reduced problem's costs and tables, summed (at most ``cost``). Cheaper than ``_trivial_bound``: the
+    reduced problem's entries are a fraction of the problem's."""
+    problem = reduced.problem
+    total = reduced.offset + sum(float(np.min(n.costs)) for n in problem.nodes) + sum(
+        float(np.min(e.costs)) for e in problem.edges)
+    return min(cost, total)
+
+
 def _certified(problem: Problem, reduced: Reduced, solution: Solution, time_limit: float, seed: int,
-               wall_limit: float | None, started: float) -> Solution:
+               wall_limit: float | None, started: float, ahead: BoundAhead | None = None) -> Solution:
     """``solution`` (the tied plan, lifted) with the untied bound of ``untied_bound`` and its outcome."""
     assignment, cost = solution.assignment, solution.cost
     tied_cost = float(solution.stats["tied_cost"])
     bound_started = time.perf_counter()
     try:
         bound, how, better = untied_bound(reduced, cost, seed=seed, time_limit=time_limit, wall_limit=wall_limit,
-                                          start=reduced.project(assignment))
+                                          start=reduced.project(assignment), ahead=ahead)
     except KeyboardInterrupt:  # the tied plan is complete: it is the best so far
+        if ahead is not None:
+            ahead.cancel()
         raise _interrupted(problem, assignment, started) from None
     improved = cost < tied_cost
     if better is not None:  # the pruned untied search beat the tied plan: tying was a restriction

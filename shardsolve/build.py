@@ -65,6 +65,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Sequence
@@ -79,7 +80,7 @@ from shardsolve.rules import fallback_rule, rule_for
 from shardsolve.rules.elementwise import POINTWISE
 from shardsolve.rules.base import Rule, Strategy
 from shardsolve.sharding import Sharding, candidate_shardings
-from shardsolve.workspace import prefetch, scratch_bytes, workspace_ratio
+from shardsolve.workspace import may_need_scratch, prefetch, scratch_bytes, workspace_ratio
 
 Scope = tuple[int, ...]  # () for the program; (k, ...) inside the body of scan op k, ...
 Pins = Sequence[tuple[Sharding | None, str]]
@@ -440,7 +441,7 @@ class RuleStrategies:
     strategies: tuple[Strategy, ...]
     costs: np.ndarray
     usage: np.ndarray
-    operand_usage: np.ndarray  # bytes of the operand layouts each strategy reads from memory
+    operand_usage: np.ndarray  # bytes of the operand layouts each strategy reads from memory (not its scratch)
     labels: tuple[str, ...]
     operand_ids: tuple[np.ndarray, ...]
     result_ids: tuple[np.ndarray, ...]
@@ -448,7 +449,7 @@ class RuleStrategies:
     @classmethod
     def make(cls, rule: Rule, fixed: tuple[int, ...], itemsizes: tuple[int, ...], mesh: MeshSpec,
              tables: ReshardTables, uneven: bool = True, traffic: tuple[bool, ...] | None = None,
-             scratch: float = 0.0, live_out: tuple[bool, ...] = ()) -> RuleStrategies:
+             live_out: tuple[bool, ...] = ()) -> RuleStrategies:
         strategies = tuple(rule.strategies(mesh, fixed_operands=fixed, allow_uneven=uneven))
         n_in = len(rule.operands)
         costs = np.array([rule.strategy_time(s, mesh, itemsizes, traffic) for s in strategies], dtype=np.float64)
@@ -465,11 +466,10 @@ class RuleStrategies:
         )
         read = traffic[:n_in] if traffic is not None else (True,) * n_in
         shapes = [rule.operand_shape(k) for k in range(n_in)]
-        operand_usage = np.array(  # the layouts it reads, materialised (a reshard's result is a new buffer),
-            [  # and the scratch it runs with (``workspace``)
+        operand_usage = np.array(  # the layouts it reads, materialised (a reshard's result is a new buffer)
+            [
                 sum(o.local_bytes(shapes[k], itemsizes[k], mesh)
                     for k, o in enumerate(s.operands) if read[k] and k not in fixed)
-                + scratch_bytes(scratch, s, shapes, itemsizes, fixed, mesh)
                 for s in strategies
             ],
             dtype=np.float64,
@@ -490,6 +490,29 @@ class RuleStrategies:
 #: Llama large on 2x2x2 lost its way (72.3 ms with a 32% gap at 30 s, against 55.5 ms and 4.4% without them);
 #: two-axis meshes have at most 47.
 HUB_MAX_LAYOUTS = 64
+
+
+class _Capped:
+    """Edge tables with every entry at most ``FORBIDDEN`` (a scaled forbidden entry is forbidden): the table
+    itself where it is already so (tables are shared between edges: each is looked at once)."""
+
+    def __init__(self) -> None:
+        self.seen: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+
+    def __call__(self, table: np.ndarray) -> np.ndarray:
+        hit = self.seen.get(id(table))
+        if hit is None or hit[0] is not table:
+            capped = table if not table.size or table.max() <= FORBIDDEN else np.minimum(table, FORBIDDEN)
+            hit = self.seen[id(table)] = (table, capped)
+        return hit[1]
+
+
+@functools.lru_cache(maxsize=None)
+def _same_strategy(n: int) -> np.ndarray:
+    """The edge table that makes two nodes of ``n`` strategies take the same one (shared: read-only)."""
+    table = np.where(np.eye(n, dtype=bool), 0.0, FORBIDDEN)
+    table.flags.writeable = False
+    return table
 
 
 class ProblemBuilder:
@@ -533,6 +556,7 @@ class ProblemBuilder:
         self.hub_at: dict[tuple, int] = {}  # (scope, value id) -> the node its reads may share (``reserve_hub``)
         self.plain_edges: dict[tuple[int, int], np.ndarray] | None = None
         self.merge_terms: list[MergeTerm] = []
+        self.pending_scratch: list[tuple[int, Graph, Op, Rule, RuleStrategies]] = []  # (``add_scratch``)
 
     def build(self, in_pins: Pins, out_pins: Pins, memory_limit: float | None = None,
               ties: Sequence[tuple[int, int]] = ()) -> Built:
@@ -545,16 +569,17 @@ class ProblemBuilder:
         if memory_limit is not None and self.options.kept_layouts:
             self.add_kept_layouts()
         self.share_merged_latency()
+        self.add_scratch()
+        capped = _Capped()
         problem = Problem(
             tuple(self.nodes),
-            tuple(Edge(u, v, np.minimum(c, FORBIDDEN)) for (u, v), c in self.edges.items()),
+            tuple(Edge(u, v, capped(c)) for (u, v), c in self.edges.items()),
             memory_limit,
             tuple(self.pins),
         )
         plain = None
         if self.plain_edges is not None:
-            plain = tuple(Edge(u, v, np.minimum(self.plain_edges.get((u, v), c), FORBIDDEN))
-                          for (u, v), c in self.edges.items())
+            plain = tuple(Edge(u, v, capped(self.plain_edges.get((u, v), c))) for (u, v), c in self.edges.items())
         return Built(problem, self.infos, self.op_node, self.value_node, self.output_node, self.scans, plain,
                      tuple(self.merge_terms) if plain is not None else (), hub_sources=self.hub_sources)
 
@@ -978,12 +1003,11 @@ class ProblemBuilder:
             rule = fallback_rule(view)
         itemsizes = tuple(np.dtype(d).itemsize for d in view.in_dtypes + view.out_dtypes)
         traffic = memory_traffic(g, op)
-        scratch = workspace_ratio(g, op)
-        key = (rule, op.literal_operands, itemsizes, traffic, scratch, live_out)
+        key = (rule, op.literal_operands, itemsizes, traffic, live_out)
         rs = self.rule_cache.get(key)
         if rs is None:
             rs = RuleStrategies.make(rule, op.literal_operands, itemsizes, self.mesh, self.tables, self.options.uneven,
-                                     traffic, scratch, live_out)
+                                     traffic, live_out)
             self.rule_cache[key] = rs
         return rule, fallback, rs
 
@@ -1001,7 +1025,7 @@ class ProblemBuilder:
             self.scans[scope].op_node[op.id] = idx
         else:
             self.op_node[op.id] = idx
-            self.add_operands(idx, rs, interval[0], name, op.id)
+            self.add_operands(idx, rs, interval[0], name, g, op, rule)
         produced_at, ids_at = self.produced_at, self.ids_at
         for r, v in enumerate(op.outputs):
             produced_at[(scope, v)] = (idx, [s.results[r] for s in rs.strategies])
@@ -1012,8 +1036,9 @@ class ProblemBuilder:
             if not isinstance(x, Lit):
                 read_edge(scope, g, x, rs.operand_ids[k], idx, scale)
 
-    def add_operands(self, idx: int, rs: RuleStrategies, step: int, name: str, op_id: int) -> None:
-        """The memory of the operand layouts op node ``idx`` reads, live during its own time step.
+    def add_operands(self, idx: int, rs: RuleStrategies, step: int, name: str, g: Graph, op: Op, rule: Rule) -> None:
+        """The memory of the operand layouts op node ``idx`` reads, live during its own time step, and of the
+        scratch it runs with (``add_scratch``).
 
         A consumer reads each operand in its strategy's layout; where that is
         not the producer's, the reshard's result is a buffer of its own (an
@@ -1022,12 +1047,34 @@ class ProblemBuilder:
         bytes from ``step`` to ``step + 1``: where no reshard is needed it
         counts the operand twice for one step, so the peak errs high.
         """
-        if not np.any(rs.operand_usage):
+        scratch = may_need_scratch(g, op)
+        if not scratch and not np.any(rs.operand_usage):
             return
         aux = self.add(Node(f"{name} operands", np.zeros(len(rs.strategies)), rs.operand_usage, (step, step + 1),
-                            rs.labels), NodeInfo("operands", op_id, strategies=rs.strategies))
+                            rs.labels), NodeInfo("operands", op.id, strategies=rs.strategies))
         n = len(rs.strategies)
-        self.edges[(idx, aux)] = np.where(np.eye(n, dtype=bool), 0.0, FORBIDDEN)
+        self.edges[(idx, aux)] = _same_strategy(n)
+        if scratch:
+            self.pending_scratch.append((aux, g, op, rule, rs))
+
+    def add_scratch(self) -> None:
+        """Each op's scratch (``workspace``: measured by compiling it alone) on its operands node: asked for
+        once the rest is built, so that the compiles ``build`` started run beside the building."""
+        by_rule: dict[tuple, np.ndarray] = {}
+        for aux, g, op, rule, rs in self.pending_scratch:
+            ratio = workspace_ratio(g, op)
+            if not ratio:
+                continue
+            itemsizes = tuple(np.dtype(d).itemsize for d in g.view(op).in_dtypes)
+            key = (id(rs), ratio, itemsizes)
+            extra = by_rule.get(key)
+            if extra is None:
+                shapes = [rule.operand_shape(k) for k in range(len(rule.operands))]
+                extra = by_rule[key] = np.array([scratch_bytes(ratio, s, shapes, itemsizes, op.literal_operands,
+                                                               self.mesh) for s in rs.strategies], dtype=np.float64)
+            node = self.nodes[aux]
+            self.nodes[aux] = dataclasses.replace(node, usages=node.usages + extra)
+        self.pending_scratch.clear()
 
     # -- scans -------------------------------------------------------------------------
 

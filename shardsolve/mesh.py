@@ -61,6 +61,8 @@ class MeshSpec:
     _index: Mapping[str, MeshAxis] = field(default=None, compare=False, repr=False)  # type: ignore[assignment]
     _names: tuple[str, ...] = field(default=(), compare=False, repr=False)
     _sizes: Mapping[str, int] = field(default=None, compare=False, repr=False)  # type: ignore[assignment]
+    # Computed once: the mesh keys the reshard caches, looked up hundreds of thousands of times a plan.
+    _hash: int = field(init=False, default=0, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if not self.axes:
@@ -81,6 +83,13 @@ class MeshSpec:
         object.__setattr__(self, "_index", {a.name: a for a in self.axes})
         object.__setattr__(self, "_names", tuple(a.name for a in self.axes))
         object.__setattr__(self, "_sizes", {a.name: a.size for a in self.axes})
+        object.__setattr__(self, "_hash", hash((self.axes, self.peak_flops, self.hbm_bandwidth)))
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __reduce__(self):  # the hash of strings differs between processes: a copy computes its own
+        return MeshSpec, (self.axes, self.peak_flops, self.hbm_bandwidth)
 
     # -- construction -----------------------------------------------------
 
@@ -168,7 +177,12 @@ class MeshSpec:
 
     def group_size(self, names) -> int:
         """Number of devices in one group spanned by the given axes."""
-        return math.prod(self.axis_size(n) for n in names)
+        sizes, size = self._sizes, 1
+        for n in names:
+            if n not in sizes:
+                self.axis_size(n)  # names the unknown axis
+            size *= sizes[n]
+        return size
 
     def order(self, names) -> tuple[str, ...]:
         """The given axis names in mesh order."""

@@ -30,7 +30,7 @@ from shardsolve.encodings import portfolio
 from shardsolve.encodings.flat import flatten
 from shardsolve.encodings.heuristics import complete
 from shardsolve.encodings.polish import polish_usage
-from shardsolve.encodings.tying import certify, solve_tied
+from shardsolve.encodings.tying import cancel_ahead, certify, solve_tied
 from shardsolve.errors import InfeasibleError, Interrupted, ShardsolveError
 from shardsolve.flax import logical_names
 from shardsolve.graph import Graph, Lit
@@ -261,9 +261,11 @@ def plan(
     token = _NET.set(None if time_limit is None else SolvingNet(float(time_limit)))
     executed = _EXECUTED.set({})
     try:
-        return _plan(fun, args, mesh, in_shardings, out_shardings, memory_limit, time_limit, carry, seed, progress,
-                     source, tie, expand_scans, uneven, memory_check, logical_rules, hints)
+        with portfolio.frozen_heap():  # see ``_traced_problem``
+            return _plan(fun, args, mesh, in_shardings, out_shardings, memory_limit, time_limit, carry, seed,
+                         progress, source, tie, expand_scans, uneven, memory_check, logical_rules, hints)
     finally:
+        cancel_ahead()  # an untied bound started for a plan not kept
         _EXECUTED.reset(executed)
         _NET.reset(token)
 
@@ -796,7 +798,9 @@ def _traced_problem(fun: Callable, args: tuple, mesh: MeshSpec, in_shardings: An
     """Trace ``fun(*args)``, read the annotations and build the problem."""
     say("tracing")
     # Tracing and building make millions of small objects and few reference cycles: the cyclic
-    # collector's full passes over them cost about a third of this stage, and find little.
+    # collector's full passes over them cost about a third of this stage, and find little. Inside ``plan``'s
+    # ``frozen_heap`` they stay out of its passes until the plan is made (a full pass while pricing a
+    # 12-layer GPT-2 plan: 0.17 s).
     collecting = gc.isenabled()
     gc.disable()
     try:
@@ -808,6 +812,7 @@ def _traced_problem(fun: Callable, args: tuple, mesh: MeshSpec, in_shardings: An
         say(f"building the problem ({len(graph.ops)} operations)")
         built = build_problem(graph, mesh, in_pins, out_pins, limit, ties, options)
     finally:
+        portfolio.freeze_alive()
         if collecting:
             gc.enable()
     return graph, built

@@ -70,6 +70,11 @@ def prefetch(graphs: Iterable[Graph]) -> None:
                 _PENDING[key] = _pool().submit(_measure, op, avals)
 
 
+def may_need_scratch(graph: Graph, op: Op) -> bool:
+    """Whether ``workspace_ratio`` measures ``op`` (it is 0 for every other op)."""
+    return _keyed(graph, op) is not None
+
+
 def _keyed(graph: Graph, op: Op) -> tuple[tuple | None, tuple] | None:
     """``op``'s cache key (None where its parameters have no stable text) and operand shapes; None where it
     needs no scratch."""

@@ -149,6 +149,43 @@ def test_trws_reads_off_an_optimal_assignment_on_trees_and_stops_there(problem):
     assert bound == pytest.approx(opt, rel=1e-6, abs=1e-6)
 
 
+class _SettledWhenAsked(bounds.Later):
+    """``passes`` for ``trws_bound`` that settles the target too, once the passes ask for their number: as a
+    caller does that settles both while passes run ahead on another thread (deterministically, for a test)."""
+
+    def __init__(self, passes: int, target: bounds.Later, goal: float):
+        super().__init__(None)
+        self.n, self.target, self.goal = passes, target, goal
+
+    def get(self):
+        self.target.settle(self.goal)
+        self.settle(self.n)
+        return super().get()
+
+
+@FAST
+@given(sparse_problems(max_nodes=40), st.integers(2, 200))
+def test_passes_run_before_their_target_is_known_end_as_if_it_had_been(problem, free):
+    """``trws_bound`` with ``Later`` target and passes settled after ``free`` passes: the checks made before are
+    tested against the target once known, so the bound, its terms and the passes run are the ones of the
+    settled values given at the start, wherever the stall test stops (met: the bound reaches the target)."""
+    flat = flatten(problem)
+    lp = bounds.trws_bound(flat, passes=300)[0]
+    for goal in (lp * 1.02 + 1.0, lp + 0.05, lp - 1.0):  # above the LP bound (the stall test stops), at it, below
+        ran: list = []
+        alone = bounds.trws_bound(flat, 300, target=goal, ran=ran, stall=0.05)
+        target = bounds.Later(math.inf)
+        ahead_ran: list = []
+        ahead = bounds.trws_bound(flat, _SettledWhenAsked(300, target, goal), target=target, ran=ahead_ran,
+                                  stall=0.05, free_passes=free)
+        if alone[0] >= goal:  # met: the passes may go on to the first check that knew the target
+            assert ahead[0] >= goal and ahead_ran[0] >= ran[0]
+            continue
+        assert ahead[0] == alone[0] and ahead_ran == ran
+        for a, b in zip(ahead[1] + ahead[2], alone[1] + alone[2]):
+            np.testing.assert_array_equal(a, b)
+
+
 @FAST
 @given(small_problems(max_nodes=6))
 def test_reduced_cost_pruning_keeps_every_assignment_no_dearer_than_the_reference(problem):

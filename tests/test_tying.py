@@ -96,7 +96,7 @@ def test_tied_solution_is_priced_on_the_untied_problem():
 
 
 def test_a_deferred_bound_certifies_as_the_bound_in_one_call_does():
-    """``solve_tied(certify=False)`` stops at the tied plan (the trivial bound, its bound's work reserved);
+    """``solve_tied(certify=False)`` stops at the tied plan (a bound without search, its bound's work reserved);
     ``certify`` with that reserve gives what ``solve_tied`` gives in one call, and other solutions pass through."""
     from shardsolve.encodings.tying import certify
 
@@ -105,13 +105,44 @@ def test_a_deferred_bound_certifies_as_the_bound_in_one_call_does():
     whole = solve_tied(problem, time_limit=20)
     deferred = solve_tied(problem, time_limit=20, certify=False)
     assert deferred.stats["tie_bound"] == "deferred" and deferred.status == "feasible"
-    assert deferred.lower_bound == 0.0 and deferred.stats["bound_reserve_s"] > 0
+    assert 0.0 <= deferred.lower_bound <= deferred.cost and deferred.stats["bound_reserve_s"] > 0
     assert deferred.cost == pytest.approx(problem.evaluate(deferred.assignment), rel=1e-12)
     done = certify(problem, deferred)
     assert (done.assignment, done.cost, done.lower_bound, done.status) == (
         whole.assignment, whole.cost, whole.lower_bound, whole.status)
     assert done.stats["tie_bound"] == whole.stats["tie_bound"] and "bound_reserve_s" not in done.stats
     assert certify(problem, done) is done
+
+
+def test_the_untied_bound_run_ahead_is_the_bound_run_after(monkeypatch):
+    """The untied bound's passes started on a second thread while the tied problem is solved
+    (``tying.BoundAhead``) certify what the passes run after the tied solve do; a bound started and not
+    taken is stopped."""
+    import threading
+    import time
+
+    from shardsolve.encodings import tying
+
+    def running() -> list[threading.Thread]:
+        return [t for t in threading.enumerate() if t.name == "shardsolve-untied-bound"]
+
+    _, built = _stack_built()
+    problem = built.problem
+    ahead = solve_tied(problem, time_limit=20)
+    deferred = solve_tied(problem, time_limit=20, certify=False)
+    assert running()  # waiting for the tied plan's cost, which no ``certify`` will bring
+    tying.cancel_ahead()
+    deadline = time.monotonic() + 30
+    while running() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not running()
+    monkeypatch.setattr(tying, "AHEAD", False)
+    after = solve_tied(problem, time_limit=20)
+    assert not running()
+    assert (ahead.assignment, ahead.cost, ahead.lower_bound, ahead.status) == (
+        after.assignment, after.cost, after.lower_bound, after.status)
+    assert ahead.stats["tie_bound"] == after.stats["tie_bound"]
+    assert deferred.stats["tie_bound"] == "deferred"
 
 
 def test_tie_edges_fold_into_one_node_per_class():
