@@ -185,6 +185,27 @@ CHECK_EVERY = 4
 CHUNK_ENTRIES = 1 << 23
 
 
+@dataclasses.dataclass(frozen=True)
+class TrwsSetup:
+    """What ``trws_bound``'s passes read of a ``Flat``: its costs and tables with forbidden entries finite
+    (``finite_parts``), its edges, TRW-S's node weights and the packed arrays of the compiled passes."""
+
+    costs: list[np.ndarray]
+    tables: list[np.ndarray]
+    eu: list[int]
+    ev: list[int]
+    gamma: np.ndarray
+    packed: kernels.Packed
+
+    @classmethod
+    def of(cls, flat: Flat) -> TrwsSetup:
+        costs, tables = finite_parts(flat)
+        eu = [int(u) for u in flat.eu]
+        ev = [int(v) for v in flat.ev]
+        gamma = trws_gamma(flat)
+        return cls(costs, tables, eu, ev, gamma, kernels.pack(costs, tables, eu, ev, flat.adj, gamma))
+
+
 class Later:
     """A number settled after a computation that reads it has started: ``trws_bound``'s ``target``,
     ``passes`` and ``wall_limit`` for passes run ahead on another thread (``tying.BoundAhead``).
@@ -219,6 +240,7 @@ def trws_bound(
     flat, passes: int | Later = 60, target: float | Later = math.inf, decoded: list | None = None, *,
     wall_limit: float | Later | None = None, final_only: bool = False, decode_every: int = 0,
     ran: list | None = None, terms: bool = True, stall: float = 0.0, free_passes: int = 0,
+    setup: TrwsSetup | None = None,
 ) -> tuple[float, list[np.ndarray] | None, list[np.ndarray] | None]:
     """A certified lower bound by sequential tree-reweighted message passing (TRW-S), memory relaxed.
 
@@ -264,15 +286,13 @@ def trws_bound(
     where the stall test would have stopped at one of them, the bound and messages of that check are
     returned (kept for every check the stall test may stop at). Where the target is met, the passes stop
     at the first check that knows it (the bound is then at least the target, as it would have been). The
-    wall net counts from its settling.
+    wall net counts from its settling. ``setup``: ``TrwsSetup.of(flat)``, made beforehand (on the caller's
+    thread, where the passes run on another: their thread then takes Python's lock once per check).
     """
     started = time.perf_counter()
     n = flat.n
-    costs, tables = finite_parts(flat)
-    eu = [int(u) for u in flat.eu]
-    ev = [int(v) for v in flat.ev]
-    gamma = trws_gamma(flat)
-    packed = kernels.pack(costs, tables, eu, ev, flat.adj, gamma)
+    setup = TrwsSetup.of(flat) if setup is None else setup
+    costs, tables, eu, ev, gamma, packed = setup.costs, setup.tables, setup.eu, setup.ev, setup.gamma, setup.packed
     to_u, to_v = packed.messages()  # messages to each edge's first / second node, flat
 
     def terms_of(forward: bool, tu: np.ndarray, tv: np.ndarray) -> tuple[list[np.ndarray], list[np.ndarray]]:
@@ -303,10 +323,12 @@ def trws_bound(
 
     hat = kernels.hats(packed, to_u, to_v)
     # The best bound's messages (copies); its terms are rebuilt from them once, at the end.
+    # (``best_u``/``best_v``: the compiled passes copy the messages of a better bound there themselves.)
+    best_u, best_v = to_u.copy(), to_v.copy()
     if final_only and (isinstance(passes, Later) or passes > 0):
         best, best_at = -math.inf, None
     else:
-        best, best_at = kernels.reparametrised_value(packed, True, to_u, to_v), (True, to_u.copy(), to_v.copy())
+        best, best_at = kernels.reparametrised_value(packed, True, to_u, to_v), (True, best_u, best_v)
     found, found_cost = None, math.inf  # the cheapest valid assignment read off so far (``decode_every``)
     at_half: dict[int, float] = {}  # the best bound after each power of two of passes (``stall``)
     snapshots: dict[int, tuple] = {}  # ... with its messages, where the stall test may stop
@@ -332,16 +354,20 @@ def trws_bound(
             if k >= total:
                 break
             last = min(last, total - 1)
-        kernels.trws_passes(packed, k, last - k + 1, hat, to_u, to_v)
+        often = not final_only and (last in (1, 3, 7) or last % CHECK_EVERY == CHECK_EVERY - 1)
+        value = kernels.trws_passes(packed, k, last - k + 1, hat, to_u, to_v,
+                                    check=often or last == (total or 0) - 1, best=best, best_u=best_u, best_v=best_v)
         k = last
         done = k + 1
         forward = k % 2 == 0
         late = _late(wall_limit, started)
-        often = not final_only and (k in (1, 3, 7) or k % CHECK_EVERY == CHECK_EVERY - 1)
         if often or k == (total or 0) - 1 or late:  # a bound costs about a pass: check less often
-            value = kernels.reparametrised_value(packed, forward, to_u, to_v)
+            if value != value:  # (not checked with the passes: the net has passed)
+                value = kernels.reparametrised_value(packed, forward, to_u, to_v)
+                if value > best:
+                    best_u[:], best_v[:] = to_u, to_v
             if value > best:
-                best, best_at = value, (forward, to_u.copy(), to_v.copy())
+                best, best_at = value, (forward, best_u, best_v)
             if decode_every and decoded is not None and ((k + 1) % decode_every == 0 or k == (total or 0) - 1 or late):
                 x = decode()
                 cost = evaluate(flat, x)
@@ -351,7 +377,7 @@ def trws_bound(
                     break
             if stall and done >= STALL_FROM // 2 and done & (done - 1) == 0:
                 at_half[done] = best
-                snapshots[done] = (best, best_at)
+                snapshots[done] = (best, None if best_at is None else (best_at[0], best_u.copy(), best_v.copy()))
             checks.append((done, best))
             goal = target if not isinstance(target, Later) else target.value if target.known() else None
             if goal is not None:  # the checks since the last one that knew the target, as if it had

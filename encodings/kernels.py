@@ -170,24 +170,6 @@ def _pass(forward, noff, hat, gamma, ptr, sends, toff, tables, uoff, to_u, voff,
                 out[off + b] = x
 
 
-@njit(f"void(int64, int64, {_I}, {_F}, {_F}, {_I}, {_I2}, {_I}, {_I2}, {_I}, {_F}, {_I}, {_F}, {_I}, {_F}, int64)",
-      cache=True, nogil=True)
-def _passes(first, count, noff, hat, gamma, aptr, ahead, bptr, behind, toff, tables, uoff, to_u, voff, to_v,
-            buffer):  # pragma: no cover - compiled
-    for k in range(first, first + count):
-        if k % 2 == 0:
-            _pass(True, noff, hat, gamma, aptr, ahead, toff, tables, uoff, to_u, voff, to_v, buffer)
-        else:
-            _pass(False, noff, hat, gamma, bptr, behind, toff, tables, uoff, to_u, voff, to_v, buffer)
-
-
-def trws_passes(p: Packed, first: int, count: int, hat: np.ndarray, to_u: np.ndarray, to_v: np.ndarray) -> None:
-    """Passes ``first`` to ``first + count - 1`` (even ones forward, odd ones backward) as ``trws_pass`` runs
-    them, in one call (without Python's lock throughout)."""
-    _passes(first, count, p.noff, hat, p.gamma, p.ahead_ptr, p.ahead, p.behind_ptr, p.behind, p.toff, p.tables,
-            p.uoff, to_u, p.voff, to_v, max(p.buffer, 1))
-
-
 def trws_pass(p: Packed, forward: bool, hat: np.ndarray, to_u: np.ndarray, to_v: np.ndarray) -> None:
     """One TRW-S pass (forward: nodes in index order, each sending to its later neighbours; backward: the
     reverse), updating the messages and ``hat`` in place."""
@@ -242,3 +224,35 @@ def reparametrised_value(p: Packed, forward: bool, to_u: np.ndarray, to_v: np.nd
     """The bound of the reparametrisation by messages ``to_u``/``to_v`` (``bounds.trws_bound``'s check)."""
     return float(_value(forward, p.noff, p.costs, p.eu, p.ev, p.gamma, p.toff, p.tables, p.uoff, to_u, p.voff,
                         to_v))
+
+
+@njit(f"float64(int64, int64, boolean, float64, {_I}, {_F}, {_F}, {_F}, {_I}, {_I2}, {_I}, {_I2}, {_I}, {_F}, "
+      f"{_I}, {_F}, {_I}, {_F}, {_I}, {_I}, int64, {_F}, {_F})", cache=True, nogil=True)
+def _passes(first, count, check, best, noff, costs, hat, gamma, aptr, ahead, bptr, behind, toff, tables, uoff, to_u,
+            voff, to_v, eu, ev, buffer, best_u, best_v):  # pragma: no cover - compiled
+    for k in range(first, first + count):
+        if k % 2 == 0:
+            _pass(True, noff, hat, gamma, aptr, ahead, toff, tables, uoff, to_u, voff, to_v, buffer)
+        else:
+            _pass(False, noff, hat, gamma, bptr, behind, toff, tables, uoff, to_u, voff, to_v, buffer)
+    if not check:
+        return np.nan
+    value = _value((first + count - 1) % 2 == 0, noff, costs, eu, ev, gamma, toff, tables, uoff, to_u, voff, to_v)
+    if value > best:
+        best_u[:] = to_u
+        best_v[:] = to_v
+    return value
+
+
+def trws_passes(p: Packed, first: int, count: int, hat: np.ndarray, to_u: np.ndarray, to_v: np.ndarray,
+                check: bool = False, best: float = np.inf, best_u: np.ndarray | None = None,
+                best_v: np.ndarray | None = None) -> float:
+    """Passes ``first`` to ``first + count - 1`` (even ones forward, odd ones backward) as ``trws_pass`` runs
+    them, in one call without Python's lock throughout; with ``check``, then the bound of the last pass's
+    reparametrisation (``reparametrised_value``), else nan. Where that bound exceeds ``best``, the messages
+    are copied into ``best_u`` and ``best_v`` too (arrays of their sizes)."""
+    if best_u is None or best_v is None:
+        best, best_u, best_v = np.inf, np.empty(0), np.empty(0)
+    return float(_passes(first, count, check, best, p.noff, p.costs, hat, p.gamma, p.ahead_ptr, p.ahead,
+                         p.behind_ptr, p.behind, p.toff, p.tables, p.uoff, to_u, p.voff, to_v, p.eu, p.ev,
+                         max(p.buffer, 1), best_u, best_v))

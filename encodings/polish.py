@@ -58,8 +58,12 @@ def _units(problem: Problem) -> np.ndarray:
             i = parent[i]
         return int(i)
 
+    identity: dict[int, tuple[np.ndarray, bool]] = {}  # tables are shared between edges: each looked at once
     for e in problem.edges:
-        if _identity(np.asarray(e.costs)):
+        seen = identity.get(id(e.costs))
+        if seen is None or seen[0] is not e.costs:
+            seen = identity[id(e.costs)] = (e.costs, _identity(np.asarray(e.costs)))
+        if seen[1]:
             a, b = find(e.u), find(e.v)
             if a != b:
                 parent[max(a, b)] = min(a, b)

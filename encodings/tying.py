@@ -54,6 +54,7 @@ its optimum (planner problems have a tight LP), else by ``encodings.solve``.
 from __future__ import annotations
 
 import math
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -64,7 +65,8 @@ import numpy as np
 # ``solve`` is called through the package so that a stand-in for it (tests/lower_cases.py) also plans tied problems
 from shardsolve import encodings
 from shardsolve.encodings import portfolio
-from shardsolve.encodings.bounds import Later, pruned_above, trws_bound, trws_charge, trws_pass_charge
+from shardsolve.encodings.bounds import (Later, TrwsSetup, pruned_above, trws_bound, trws_charge,
+                                          trws_pass_charge)
 from shardsolve.encodings.flat import Flat, evaluate, flatten
 from shardsolve.encodings.presolve import ENTRY_CHARGE, Reduced, component_labels, reduce
 from shardsolve.errors import InfeasibleError, Interrupted
@@ -115,20 +117,25 @@ class BoundAhead:
     def __init__(self, reduced: Reduced, least_seconds: float):
         self.reduced = reduced
         self.flat = flatten(reduced.problem)
+        self.setup = TrwsSetup.of(self.flat)  # here: the passes' thread then needs Python's lock seldom
         self.free_passes = _bound_passes(self.flat, least_seconds)
         self.target, self.passes, self.wall = Later(math.inf), Later(None), Later(None)
         self.ran: list = []
         self._result = None
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="shardsolve-untied-bound", daemon=True)
+        _quick_switches(+1)
         self._thread.start()
 
     def _run(self) -> None:
         try:
             self._result = trws_bound(self.flat, self.passes, target=self.target, wall_limit=self.wall,
-                                      ran=self.ran, stall=BOUND_STALL, free_passes=self.free_passes)
+                                      ran=self.ran, stall=BOUND_STALL, free_passes=self.free_passes,
+                                      setup=self.setup)
         except BaseException as e:  # handed to the caller of ``result``
             self._error = e
+        finally:
+            _quick_switches(-1)
 
     def result(self, passes: int, target: float, wall: float):
         """``trws_bound``'s result for these settings, or None where the passes may already have run past
@@ -149,6 +156,26 @@ class BoundAhead:
         self.target.settle(-math.inf)
         self.wall.settle(0.0)
         self.passes.settle(0)
+
+
+#: While passes run ahead, Python hands its lock between threads at most this many seconds apart (the
+#: passes' thread takes it once per check, between compiled calls; at the default 5 ms it waits about as
+#: long as a check's passes run).
+AHEAD_SWITCH_INTERVAL = 5e-4
+_SWITCHES = [0, 0.0]  # passes' threads running ahead, and the switch interval before the first
+_SWITCHES_LOCK = threading.Lock()
+
+
+def _quick_switches(change: int) -> None:
+    """Count a thread of passes in (+1) or out (-1): the first sets ``AHEAD_SWITCH_INTERVAL``, the last puts
+    the interval back."""
+    with _SWITCHES_LOCK:
+        if change > 0 and _SWITCHES[0] == 0:
+            _SWITCHES[1] = sys.getswitchinterval()
+            sys.setswitchinterval(min(_SWITCHES[1], AHEAD_SWITCH_INTERVAL))
+        _SWITCHES[0] += change
+        if change < 0 and _SWITCHES[0] == 0:
+            sys.setswitchinterval(_SWITCHES[1])
 
 
 def _bound_passes(flat: Flat, time_limit: float, passes: int = 2000) -> int:
@@ -362,8 +389,16 @@ def merge(problem: Problem, pairs: Sequence[tuple[int, int, np.ndarray]]) -> tup
             c = problem.nodes[j].costs
             costs[index[leader[j]]] += np.where(f >= 0, c[np.maximum(f, 0)], FORBIDDEN)
     edges: dict[tuple[int, int], np.ndarray] = {}
+    # Repeated layers repeat their tables, and corresponding members map their strategies alike: each
+    # (table, maps) re-indexed once.
+    reindexed: dict[tuple, np.ndarray] = {}
     for e in problem.edges:
-        t = rows(e.v, rows(e.u, e.costs).T).T  # rows by u's representative, columns by v's
+        fu, fv = fmap[e.u], fmap[e.v]
+        key = (e.costs.shape, e.costs.tobytes(), None if fu is None else fu.tobytes(),
+               None if fv is None else fv.tobytes())
+        t = reindexed.get(key)
+        if t is None:
+            t = reindexed[key] = rows(e.v, rows(e.u, e.costs).T).T  # rows by u's representative, columns by v's
         a, b = int(index[leader[e.u]]), int(index[leader[e.v]])
         if a == b:
             costs[a] += np.diag(t)

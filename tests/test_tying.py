@@ -126,16 +126,20 @@ def test_the_untied_bound_run_ahead_is_the_bound_run_after(monkeypatch):
     def running() -> list[threading.Thread]:
         return [t for t in threading.enumerate() if t.name == "shardsolve-untied-bound"]
 
+    import sys
+
     _, built = _stack_built()
     problem = built.problem
+    switching = sys.getswitchinterval()
     ahead = solve_tied(problem, time_limit=20)
     deferred = solve_tied(problem, time_limit=20, certify=False)
     assert running()  # waiting for the tied plan's cost, which no ``certify`` will bring
+    assert sys.getswitchinterval() <= tying.AHEAD_SWITCH_INTERVAL
     tying.cancel_ahead()
     deadline = time.monotonic() + 30
     while running() and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert not running()
+    assert not running() and sys.getswitchinterval() == switching
     monkeypatch.setattr(tying, "AHEAD", False)
     after = solve_tied(problem, time_limit=20)
     assert not running()
