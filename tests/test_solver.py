@@ -149,6 +149,24 @@ def test_trws_reads_off_an_optimal_assignment_on_trees_and_stops_there(problem):
     assert bound == pytest.approx(opt, rel=1e-6, abs=1e-6)
 
 
+def test_a_repair_with_a_valid_start_in_hand_keeps_to_its_budget():
+    """``search.repair_forbidden`` visits every broken component whatever its budget (a valid answer first);
+    ``strict`` (an extra start, a valid one in hand elsewhere) stops visiting once the budget is spent."""
+    pairs = 6
+    forbid = np.array([[FORBIDDEN, 1.0], [1.0, 2.0]])  # (0, 0) forbidden: the all-zero start breaks every pair
+    nodes = tuple(Node(f"n{i}", np.zeros(2), np.zeros(2)) for i in range(2 * pairs))
+    edges = tuple(Edge(2 * k, 2 * k + 1, forbid) for k in range(pairs))
+    flat = flatten(Problem(nodes, edges))
+    start = np.zeros(flat.n, dtype=np.int64)
+    whole, _, whole_stats = search.repair_forbidden(flat, start, budget=0.0)
+    assert whole_stats["repair_left"] == 0 and math.isfinite(evaluate(flat, whole))
+    kept, used, kept_stats = search.repair_forbidden(flat, start, budget=1e-9, strict=True)
+    assert kept_stats["repair_components"] == 1 and kept_stats["repair_left"] == pairs - 1 and used > 0
+    again = search.repair_forbidden(flat, start, budget=1e-9, strict=True)
+    assert np.array_equal(again[0], kept) and again[1] == used  # deterministic: work, not the clock
+    assert search.repair_forbidden(flat, start, budget=0.0, strict=True)[2]["repair_components"] == 0
+
+
 class _SettledWhenAsked(bounds.Later):
     """``passes`` for ``trws_bound`` that settles the target too, once the passes ask for their number: as a
     caller does that settles both while passes run ahead on another thread (deterministically, for a test)."""
