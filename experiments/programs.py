@@ -18,7 +18,9 @@ annotation or anything the planner was tuned on:
 * ``adam_mlp``: an MLP trained by Adam, its two moments carried as state;
 * ``cnn2d``: 2-D convolutions with max pooling (``reduce_window``);
 * ``moe_top2``: a top-2 router (``lax.top_k``) over experts written with ``einsum``;
-* ``segment_bag``: bags of embeddings summed by ``jax.ops.segment_sum``.
+* ``segment_bag``: bags of embeddings summed by ``jax.ops.segment_sum``;
+* ``gnn``: message passing, node features gathered at both ends of every edge
+  and the messages summed into the nodes (``segment_sum``).
 
 ``experiments/new_programs.py`` plans and compiles them; ``tests/test_new_programs.py`` keeps a small slice.
 """
@@ -277,6 +279,22 @@ def segment_bag(size: str):
     return sgd(loss), (params, data), (None, (P("data"), P("data"), None))
 
 
+def gnn(size: str):
+    """Message passing over a graph's edges: both ends' features gathered per edge, summed into the nodes."""
+    nodes, edges, d, depth = (65536, 524288, 256, 3) if size == "large" else (32, 128, 16, 2)
+    params = [{"msg": S((2 * d, d), f32), "upd": S((2 * d, d), f32)} for _ in range(depth)]
+    data = (S((nodes, d), f32), S((edges,), jnp.int32), S((edges,), jnp.int32), S((nodes, d), f32))
+
+    def loss(p, data):
+        x, src, dst, y = data
+        for w in p:
+            m = jax.nn.relu(jnp.concatenate([x[src], x[dst]], -1) @ w["msg"])
+            x = jnp.tanh(jnp.concatenate([x, jax.ops.segment_sum(m, dst, num_segments=nodes)], -1) @ w["upd"])
+        return jnp.mean((x - y) ** 2)
+
+    return sgd(loss), (params, data), (None, (P("data"),) * 4)
+
+
 PROGRAMS: dict[str, Callable] = {"vit": vit, "gru": gru, "mixer": mixer, "twotower": twotower, "conv1d": conv1d,
                                  "remat_lm": remat_lm, "bf16_mlp": bf16_mlp, "adam_mlp": adam_mlp, "cnn2d": cnn2d,
-                                 "moe_top2": moe_top2, "segment_bag": segment_bag}
+                                 "moe_top2": moe_top2, "segment_bag": segment_bag, "gnn": gnn}

@@ -22,10 +22,16 @@ module counts the compiled program's buffers from it (``peak_memory``):
   reads): the result of its last collective, the local cuts after it fused
   into the readers, and the largest of its steps' results during the step; a reshard that only cuts a result smaller, with no collective, runs
   where the result is made (XLA's scheduler hoists it so the whole buffer can
-  go: a forward activation read split by the backward pass is kept as the
-  split), and then ends the result's own life; any other local cut (of an
-  argument, or of a result that stays) is made at each read, fused into an
-  elementwise reader, a buffer of that step for any other;
+  go: a forward activation read split by the backward pass's matmul is kept
+  as the split), and then ends the result's own life, but for an elementwise
+  reader of a result that no loop fusion makes (a matmul's, a gather's): XLA
+  fuses that cut into its reader, and the whole result lives until the
+  reader runs, which XLA's scheduler moves up to where the reader's other
+  operands are made (an elementwise result is computed again inside the
+  reader instead); any
+  other local cut (of an argument, or of a result that stays) is made at each
+  read, fused into an elementwise reader, a buffer of that step for any
+  other;
 * a result read for the last time, in the layout it was made in, by an
   in-place update (as its operand 0) or an elementwise op of its shape
   (``build.updated_in_place``), or by a fused op whose loop fusion is rooted
@@ -129,15 +135,21 @@ def memory_profile(graph: Graph, built: Built, assignment: Sequence[int], schedu
         nbytes = d.target.local_bytes(v.shape, v.itemsize, mesh)
         # A local cut of a buffer that stays (no collective) is made where it is read: fused into an
         # elementwise reader, a buffer of the read's step for any other.
-        transient = (0.0 if d.site.kind == OPERANDS and graph.ops[d.site.index].primitive in FUSED_CONSUMERS
-                     else nbytes, f"{v.name} in {d.target}")
+        fused_read = d.site.kind == OPERANDS and graph.ops[d.site.index].primitive in FUSED_CONSUMERS
+        transient = (0.0 if fused_read else nbytes, f"{v.name} in {d.target}")
         if d.steps:
             local = d.source == produced and not any(s.is_collective for s in d.steps)
-            hoisted = own is not None and local and nbytes < produced.local_bytes(v.shape, v.itemsize, mesh)
+            # A cut for an elementwise reader is fused into it. An elementwise result is computed again inside
+            # the reader; the whole of a matmul's (any unfused op's) result lives until the reader runs, which
+            # XLA's scheduler moves up to where its other operands are all made.
+            fused_cut = fused_read and own is not None and graph.ops[v.producer].primitive not in FUSED_PRODUCERS
+            hoisted = (own is not None and local and not fused_cut
+                       and nbytes < produced.local_bytes(v.shape, v.itemsize, mesh))
             if local and not hoisted:
                 sliced.add((d.value, d.target))
                 temps.append((step, step + 1, *transient))
-                last_read[d.value] = max(last_read.get(d.value, 0), step + 1)
+                at = min(step, max(own[0] + 1, _ready(graph, made, runs, runs[d.site.index]))) if fused_cut else step
+                last_read[d.value] = max(last_read.get(d.value, 0), at + 1)
                 continue
             # Each step's result is a buffer of its own; XLA fuses the local cuts after the last collective
             # into the readers, so that collective's result is the buffer kept (an all-gather over more axes
@@ -237,6 +249,21 @@ def _unpacked(temps: list[tuple[int, int, float, str]],
         else:
             left.append(temp)
     return left
+
+
+def _ready(graph: Graph, made: dict, runs: Sequence[int], k: int) -> int:
+    """The first step op ``k``'s work could run at: after every operand made by an op outside its fusion
+    (arguments are there from the start; the ops fused into it, ``build.runs_in``, are looked through)."""
+    step = 0
+    for u in graph.ops[k].inputs:
+        if not isinstance(u, int):
+            continue
+        p = graph.values[u].producer
+        if p is not None and p != k and runs[p] == runs[k]:
+            step = max(step, _ready(graph, made, runs, p))
+        elif u in made:
+            step = max(step, made[u][0] + 1)
+    return step
 
 
 def _extend(buffers: dict, key: tuple, step: int) -> None:
