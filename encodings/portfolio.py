@@ -145,6 +145,9 @@ WARM_ROUND_PASSES = 5
 #: TRW-S warm starts (where no LP guides): further usage penalties are tried while their work is within this
 #: share of the budget left (``search.trws_starts``).
 TRWS_START_SHARE = 0.5
+#: The caller's start: its repair of forbidden pairs stops past this share of the budget left where a valid
+#: assignment is in hand already (``Portfolio.from_start``).
+START_REPAIR_SHARE = 0.5
 #: The memory constraints' Lagrangian dual (``lagrange.dual_ascent``, where memory binds and no LP guides): this
 #: share of the budget left, its starts polished by group moves within it.
 LAGRANGE_SHARE = 0.4
@@ -671,14 +674,16 @@ class Portfolio:
         """``solve``'s ``start`` on the reduced problem, made valid: each strategy the reductions dropped replaced
         by the node's cheapest, then memory repaired and ICM on the softened problem (forbidden pairs at a
         finite penalty), then the forbidden pairs left repaired (``search.made_valid``, as the TRW-S starts
-        are)."""
+        are): within ``START_REPAIR_SHARE`` of the budget where a valid assignment is in hand (the work decides
+        where the repair stops, not the clock), every pair where none is."""
         flat = self.flat
         x = self.start.copy()
         for i in np.flatnonzero(x < 0):
             x[i] = int(np.argmin(flat.costs[i]))
         cost = evaluate(flat, x)
         if not math.isfinite(cost):
-            x, used = search.made_valid(flat, softened(flat)[0], x, self.seed, self.wall_left())
+            budget = max(0.0, START_REPAIR_SHARE * self.budget) if self.best_x is not None else None
+            x, used = search.made_valid(flat, softened(flat)[0], x, self.seed, self.wall_left(), budget=budget)
             self.budget -= used + 5 * sweep_charge(flat)
             cost = evaluate(flat, x)
         self.budget -= evaluation_charge(flat)

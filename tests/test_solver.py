@@ -947,6 +947,24 @@ def test_a_start_over_the_memory_limit_is_repaired(seed):
     assert sol.cost == tight.evaluate(sol.assignment)
 
 
+def test_a_start_repaired_beside_a_valid_answer_keeps_to_a_share_of_the_budget(monkeypatch):
+    """Where the warm starts found a valid assignment, the caller's start's repair is given a share of the work
+    left (``START_REPAIR_SHARE``), so where it stops is the work's to decide, not the clock's: two runs agree."""
+    problem = _grid_problem(160, 1)
+    free = solve(dataclasses.replace(problem, usage_limit=None), time_limit=1.0, seed=1)
+    tight = dataclasses.replace(problem, usage_limit=problem.peak_usage(free.assignment) - 8)
+    given, made_valid = [], search.made_valid
+
+    def spy(flat, soft, x, seed, wall_limit=None, budget=None):
+        given.append(budget)
+        return made_valid(flat, soft, x, seed, wall_limit, budget)
+
+    monkeypatch.setattr(search, "made_valid", spy)
+    runs = [solve(tight, time_limit=0.05, seed=1, start=free.assignment) for _ in range(2)]
+    assert len(given) == 2 and all(b is not None and 0 <= b < 0.05 for b in given)
+    assert runs[0].assignment == runs[1].assignment and math.isfinite(runs[0].cost)
+
+
 def test_a_start_of_the_wrong_length_is_refused():
     from shardsolve.errors import ShardsolveError
 
