@@ -78,7 +78,7 @@ from shardsolve.mesh import MeshSpec
 from shardsolve.problem import FORBIDDEN, Edge, Node, Pin, Problem
 from shardsolve.rules import fallback_rule, rule_for
 from shardsolve.rules.elementwise import POINTWISE
-from shardsolve.rules.base import Rule, Strategy
+from shardsolve.rules.base import Rule, Strategy, strategies_of
 from shardsolve.sharding import Sharding, candidate_shardings
 from shardsolve.workspace import may_need_scratch, prefetch, scratch_bytes, workspace_ratio
 
@@ -450,7 +450,7 @@ class RuleStrategies:
     def make(cls, rule: Rule, fixed: tuple[int, ...], itemsizes: tuple[int, ...], mesh: MeshSpec,
              tables: ReshardTables, uneven: bool = True, traffic: tuple[bool, ...] | None = None,
              live_out: tuple[bool, ...] = ()) -> RuleStrategies:
-        strategies = tuple(rule.strategies(mesh, fixed_operands=fixed, allow_uneven=uneven))
+        strategies = strategies_of(rule, mesh, tuple(fixed), uneven)
         n_in = len(rule.operands)
         costs = np.array([rule.strategy_time(s, mesh, itemsizes, traffic) for s in strategies], dtype=np.float64)
         written = traffic[n_in:] if traffic is not None else (True,) * len(rule.results)

@@ -355,7 +355,7 @@ def _build_template(shape: tuple[int, ...], src: Sharding, dst: Sharding, mesh: 
 
 def without_unit_axes(s: Sharding, mesh: MeshSpec) -> Sharding:
     """``s`` without the mesh axes of size 1 (on its dimensions and among its partial axes)."""
-    if all(mesh.axis(a).size > 1 for a in s.axes + s.partial):
+    if all(a.size > 1 for a in mesh.axes) or all(mesh.axis(a).size > 1 for a in s.axes + s.partial):
         return s
     dims = tuple(tuple(a for a in d if mesh.axis(a).size > 1) for d in s.dims)
     partial = tuple(a for a in s.partial if mesh.axis(a).size > 1)
@@ -374,14 +374,15 @@ class _StepWalk:
 
     def __init__(self, shape: tuple[int, ...], src: Sharding, dst: Sharding, mesh: MeshSpec):
         self.shape, self.src, self.dst, self.mesh = shape, src, dst, mesh
-        self.dims = [list(d) for d in src.dims]
+        self.dims = list(src.dims)  # a tuple of axes per dimension, replaced (never changed) as steps are taken
         self.partial = [a for a in src.partial if a not in dst.partial]
         self.keep_partial = tuple(dst.partial)
+        self._kept = tuple(sorted(set(dst.partial)))
         self.steps: list[tuple] = []
 
     def state(self, partial: Sequence[str]) -> Sharding:
-        all_partial = tuple(sorted(set(partial) | set(self.keep_partial)))
-        return Sharding(tuple(tuple(d) for d in self.dims), all_partial, self.src.reduce_op if all_partial else "sum")
+        all_partial = tuple(sorted(set(partial) | set(self._kept))) if partial else self._kept
+        return Sharding(tuple(self.dims), all_partial, self.src.reduce_op if all_partial else "sum")
 
     def uneven(self, axes: Sequence[str], d: int) -> bool:
         return _uneven(self.shape, axes, d, self.mesh)
@@ -389,7 +390,7 @@ class _StepWalk:
     def common_prefix(self, d: int) -> int:
         """How many leading axes of dimension ``d`` stay (0 where an uneven split must be gathered whole)."""
         target, cur = self.dst.dims[d], self.dims[d]
-        if tuple(cur) != target and (self.uneven(cur, d) or self.uneven(target, d)):
+        if cur != target and (self.uneven(cur, d) or self.uneven(target, d)):
             return 0  # uneven: gather the dimension whole, then slice (nested uneven shards do not line up)
         p = 0
         while p < len(cur) and p < len(target) and cur[p] == target[p]:
@@ -411,7 +412,7 @@ class _StepWalk:
                     continue
                 while (
                     len(dims[d]) + len(taken) < len(target)
-                    and list(target[: len(dims[d])]) == dims[d]
+                    and target[: len(dims[d])] == dims[d]
                     and target[len(dims[d]) + len(taken)] in self.partial
                     and target[len(dims[d]) + len(taken)] not in taken
                 ):
@@ -419,7 +420,7 @@ class _StepWalk:
                 if taken:
                     before = self.state(self.partial)
                     in_bytes = ("pad", before, d, mesh.group_size(taken))
-                    dims[d] = dims[d] + taken
+                    dims[d] = dims[d] + tuple(taken)
                     self.partial = [a for a in self.partial if a not in taken]
                     after = self.state(self.partial)
                     self.steps.append(("reduce-scatter", mesh.order(taken), in_bytes, before, after, d, None))
@@ -432,33 +433,33 @@ class _StepWalk:
     def all_to_alls(self) -> None:
         """(2) Move the minor-most axis of one dimension to the next slot of another, while one fits."""
         dims = self.dims
+        wanted = {a: j for j, target in enumerate(self.dst.dims) for a in target}
+        if all(wanted.get(a, i) == i for i, d in enumerate(dims) for a in d):
+            return  # no axis is on a dimension other than the one dst wants it on
         moved = True
         while moved:
             moved = False
             for i in range(len(dims)):
-                if len(dims[i]) - self.common_prefix(i) != 1:
+                # Only the dimension dst wants the minor-most axis on can take it (an axis is on one dimension).
+                j = wanted.get(dims[i][-1]) if dims[i] else None
+                if j is None or j == i or len(dims[i]) - self.common_prefix(i) != 1:
                     continue
-                axis = dims[i][-1]
-                for j in range(len(dims)):
-                    if j == i:
-                        continue
-                    p_j = self.common_prefix(j)
-                    target = self.dst.dims[j]
-                    if p_j == len(dims[j]) and p_j < len(target) and target[p_j] == axis:
-                        before = self.state(())
-                        dims[i] = dims[i][:-1]
-                        dims[j] = dims[j] + [axis]
-                        after = self.state(())
-                        if any(self.uneven(sh.dims[x], x) for sh in (before, after) for x in (i, j)):
-                            # Keep to even splits; undo and gather instead.
-                            dims[i].append(axis)
-                            dims[j].pop()
-                            continue
-                        self.steps.append(("all-to-all", (axis,), ("local", before), before, after, j, i))
-                        moved = True
-                        break
-                if moved:
-                    break
+                axis, target = dims[i][-1], self.dst.dims[j]
+                p_j = self.common_prefix(j)
+                if not (p_j == len(dims[j]) and p_j < len(target) and target[p_j] == axis):
+                    continue
+                before = self.state(())
+                dims[i] = dims[i][:-1]
+                dims[j] = dims[j] + (axis,)
+                after = self.state(())
+                if any(self.uneven(sh.dims[x], x) for sh in (before, after) for x in (i, j)):
+                    # Keep to even splits; undo and gather instead.
+                    dims[i] = dims[i] + (axis,)
+                    dims[j] = dims[j][:-1]
+                    continue
+                self.steps.append(("all-to-all", (axis,), ("local", before), before, after, j, i))
+                moved = True
+                break
 
     def all_gathers(self) -> None:
         """(3) All-gathers, one per dimension (minor axes first would be the same bytes)."""
@@ -478,12 +479,18 @@ class _StepWalk:
         """(4) Local slices for the axes ``dst`` adds."""
         dims = self.dims
         for d in range(len(dims)):
-            if tuple(dims[d]) != self.dst.dims[d]:
+            if dims[d] != self.dst.dims[d]:
                 before = self.state(())
                 added = self.dst.dims[d][len(dims[d]):]
-                dims[d] = list(self.dst.dims[d])
+                dims[d] = self.dst.dims[d]
                 after = self.state(())
                 self.steps.append(("slice", tuple(added), ("local", before), before, after, d, None))
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _parts(dims: tuple[tuple[str, ...], ...], mesh: MeshSpec) -> tuple[int, ...]:
+    """Shards per dimension (0: unsplit)."""
+    return tuple(mesh.group_size(ax) if ax else 0 for ax in dims)
 
 
 class StepTemplate(NamedTuple):
@@ -518,7 +525,7 @@ class StepTemplate(NamedTuple):
         kind, axes, spec, before, after, dim, concat = step
 
         def parts(sh: Sharding) -> tuple[int, ...]:
-            return tuple(mesh.group_size(ax) if ax else 0 for ax in sh.dims)
+            return _parts(sh.dims, mesh)
 
         price = collective_cost(kind, tuple(axes), mesh)
         if spec[0] == "local":

@@ -73,6 +73,7 @@ from shardsolve.errors import ShardsolveError
 from shardsolve.graph import Graph, Lit, Op, OpView, ScanBoundary
 from shardsolve.mesh import MeshSpec
 from shardsolve.rules import fallback_rule, rule_for
+from shardsolve.rules.base import strategies_of
 from shardsolve.rules.local import fill_padding, identity, run_local
 from shardsolve.schedule import (
     ARGUMENT,
@@ -307,7 +308,7 @@ def _lowered_ops(graph: Graph, op_plans: Sequence[Any], mesh: MeshSpec, cache: d
         key = (rule, op.literal_operands)
         strategies = cache.get(key)
         if strategies is None:
-            strategies = tuple(rule.strategies(mesh, fixed_operands=op.literal_operands))
+            strategies = strategies_of(rule, mesh, tuple(op.literal_operands))
             cache[key] = strategies
         matching = [s for s in strategies if s.operands == op_plan.operands and s.results == op_plan.results]
         if not matching:

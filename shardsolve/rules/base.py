@@ -37,6 +37,7 @@ it and the results leave partial along it.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import re
@@ -356,3 +357,11 @@ def _factor_key(name: str) -> tuple[int, int | str]:
     if name.startswith("z_"):
         return (1, int(name[2:]))
     return (0, factor_names(25).index(name) if name in factor_names(25) else name)
+
+
+@functools.lru_cache(maxsize=1 << 12)
+def strategies_of(rule: Rule, mesh: MeshSpec, fixed_operands: tuple[int, ...] = (),
+                  allow_uneven: bool = True) -> tuple[Strategy, ...]:
+    """``rule.strategies(mesh, ...)``, kept: the problem builder and the lowering of every plan of a program ask
+    for the same rules' strategies again (a three-axis mesh has hundreds per rule)."""
+    return tuple(rule.strategies(mesh, fixed_operands=fixed_operands, allow_uneven=allow_uneven))
