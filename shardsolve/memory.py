@@ -28,10 +28,9 @@ module counts the compiled program's buffers from it (``peak_memory``):
   fuses that cut into its reader, and the whole result lives until the
   reader runs, which XLA's scheduler moves up to where the reader's other
   operands are made (an elementwise result is computed again inside the
-  reader instead); any
-  other local cut (of an argument, or of a result that stays) is made at each
-  read, fused into an elementwise reader, a buffer of that step for any
-  other;
+  reader instead); any other local cut (of an argument, or of a result that
+  stays) is made at each read, fused into an elementwise reader, a buffer of
+  that step for any other;
 * a result read for the last time, in the layout it was made in, by an
   in-place update (as its operand 0) or an elementwise op of its shape
   (``build.updated_in_place``), or by a fused op whose loop fusion is rooted
@@ -254,15 +253,18 @@ def _unpacked(temps: list[tuple[int, int, float, str]],
 def _ready(graph: Graph, made: dict, runs: Sequence[int], k: int) -> int:
     """The first step op ``k``'s work could run at: after every operand made by an op outside its fusion
     (arguments are there from the start; the ops fused into it, ``build.runs_in``, are looked through)."""
-    step = 0
-    for u in graph.ops[k].inputs:
-        if not isinstance(u, int):
-            continue
-        p = graph.values[u].producer
-        if p is not None and p != k and runs[p] == runs[k]:
-            step = max(step, _ready(graph, made, runs, p))
-        elif u in made:
-            step = max(step, made[u][0] + 1)
+    step, todo, seen = 0, [k], {k}
+    while todo:
+        for u in graph.ops[todo.pop()].inputs:
+            if not isinstance(u, int):
+                continue
+            p = graph.values[u].producer
+            if p is not None and runs[p] == runs[k]:
+                if p not in seen:
+                    seen.add(p)
+                    todo.append(p)
+            elif u in made:
+                step = max(step, made[u][0] + 1)
     return step
 
 
