@@ -1003,7 +1003,8 @@ class ProblemBuilder:
             rule = fallback_rule(view)
         itemsizes = tuple(np.dtype(d).itemsize for d in view.in_dtypes + view.out_dtypes)
         traffic = memory_traffic(g, op)
-        key = (rule, op.literal_operands, itemsizes, traffic, live_out)
+        # A rule's equality leaves out its FLOPs: a sort and a cumulative op of one shape are equal rules.
+        key = (rule, rule.flops, rule.log_flops, op.literal_operands, itemsizes, traffic, live_out)
         rs = self.rule_cache.get(key)
         if rs is None:
             rs = RuleStrategies.make(rule, op.literal_operands, itemsizes, self.mesh, self.tables, self.options.uneven,

@@ -18,7 +18,7 @@ from jax.sharding import PartitionSpec as P
 
 import shardsolve
 from shardsolve.build import memory_traffic
-from shardsolve.compare import judge
+from shardsolve.compare import compare, judge
 from shardsolve.errors import ShardsolveError
 from shardsolve.graph import Graph
 from shardsolve.hlo import collectives_from_hlo, compiled_memory, computation_runs, inventory, loop_adjustment
@@ -121,6 +121,21 @@ def test_while_bodies_count_their_trip_count():
     assert extra_bytes > 0
     col = judge("scan", compiled, shardsolve.mesh.MeshSpec.parse("data=1"))
     assert col.flops >= 6 * one_matmul
+
+
+def _sorted_and_scanned(x):
+    return jnp.sort(x, axis=1), jnp.cumsum(x, axis=1), jax.lax.cumlogsumexp(x, axis=1), jax.lax.cummax(x, axis=0)
+
+
+@pytest.mark.parametrize("shape", [(64, 512), (256, 100)])
+def test_sorts_and_cumulative_ops_are_priced_as_compiled(shape):
+    """A sort costs its device share's elements times their log, a cumulative op the window tree XLA's CPU
+    backend makes of it (``logaddexp`` eight FLOPs a step); a sort and a cumulative op of one shape are equal
+    rules, priced apart."""
+    cmp = compare(_sorted_and_scanned, jax.ShapeDtypeStruct(shape, jnp.float32), mesh="data=2,model=4",
+                  in_shardings=(P("data"),), columns=("shardsolve",))
+    (compiled,) = cmp.columns
+    assert compiled.compute == pytest.approx(cmp.plan.cost.compute, rel=0.03)
 
 
 def test_collectives_in_a_loop_run_its_trip_count():

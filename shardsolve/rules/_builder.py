@@ -50,6 +50,7 @@ class RuleBuilder:
         reduce_op: str = "sum",
         linear: Sequence[Sequence[int]] = (),
         flops: float = 0.0,
+        log_flops: bool = False,
     ) -> Rule:
         return Rule.build(
             operands,
@@ -60,6 +61,7 @@ class RuleBuilder:
             reduce_op=reduce_op,
             linear=linear,
             flops=flops,
+            log_flops=log_flops,
         )
 
 

@@ -90,6 +90,9 @@ class Rule:
     reduce_op: str = "sum"
     linear: tuple[tuple[int, ...], ...] = ()
     flops: float = field(default=0.0, compare=False)
+    # ``flops`` counts elements, and a device's share of n elements costs n * ceil(log2 n) (a sort, as XLA's cost
+    # analysis counts it: the local sort's elements times their log).
+    log_flops: bool = field(default=False, compare=False)
     _size: dict = field(default=None, compare=False, repr=False, hash=False)  # type: ignore[assignment]
 
     def __post_init__(self) -> None:
@@ -117,6 +120,7 @@ class Rule:
         reduce_op: str = "sum",
         linear: Sequence[Sequence[int]] = (),
         flops: float = 0.0,
+        log_flops: bool = False,
     ) -> Rule:
         """Build a rule from factor lists; factors are renamed canonically (i, j, k, ...)."""
 
@@ -147,6 +151,7 @@ class Rule:
             reduce_op,
             tuple(tuple(sorted(g)) for g in linear),
             float(flops),
+            bool(log_flops),
         )
 
     # -- printed form -----------------------------------------------------
@@ -350,7 +355,10 @@ class Rule:
             n = mesh.group_size(axes)
             padded *= -(-self._size[f] // n) * n
             exact *= self._size[f]
-        return compute_time(self.flops / strategy.work_split * (padded / exact), nbytes, mesh)
+        flops = self.flops / strategy.work_split * (padded / exact)
+        if self.log_flops:
+            flops *= max(1, math.ceil(math.log2(max(flops, 1.0))))
+        return compute_time(flops, nbytes, mesh)
 
 
 def _factor_key(name: str) -> tuple[int, int | str]:
