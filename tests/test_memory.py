@@ -70,6 +70,7 @@ def _matmul_cut_late(x, w):
     late = jnp.sort(jnp.tanh(y) @ w, axis=0)  # into that reader, so the whole of y lives until then
     return jnp.sin(y) * late
 
+
 POOL_ARGS = (jax.ShapeDtypeStruct((16, 64, 64, 32), F32), jax.ShapeDtypeStruct((16, 32, 32, 32), F32))
 SCATTER_ARGS = (jax.ShapeDtypeStruct((2048,), jnp.int32), jax.ShapeDtypeStruct((2048, 256), F32))
 SGD_ARGS = ({"w1": jax.ShapeDtypeStruct((1024, 4096), F32), "w2": jax.ShapeDtypeStruct((4096, 1024), F32)},
