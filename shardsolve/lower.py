@@ -286,10 +286,10 @@ def op_strategies(plan) -> list[LoweredOp]:
     reading and writing the planned shardings is picked (its description
     breaks ties). Scan bodies planned once are handled recursively.
     """
-    return _lowered_ops(plan.graph, plan.ops, plan.mesh, {})
+    return _lowered_ops(plan.graph, plan.ops, plan.mesh)
 
 
-def _lowered_ops(graph: Graph, op_plans: Sequence[Any], mesh: MeshSpec, cache: dict) -> list[LoweredOp]:
+def _lowered_ops(graph: Graph, op_plans: Sequence[Any], mesh: MeshSpec) -> list[LoweredOp]:
     if len(op_plans) != len(graph.ops):
         raise ShardsolveError(
             f"the plan has {len(op_plans)} operations where the program has {len(graph.ops)}; plan it again"
@@ -298,18 +298,14 @@ def _lowered_ops(graph: Graph, op_plans: Sequence[Any], mesh: MeshSpec, cache: d
     for op, op_plan in zip(graph.ops, op_plans):
         view = graph.view(op)
         if is_planned_scan(op, op_plan):
-            body = tuple(_lowered_ops(graph.body(op), op_plan.body, mesh, cache))
+            body = tuple(_lowered_ops(graph.body(op), op_plan.body, mesh))
             out.append(LoweredOp(op, view, None, None, False, op_plan, body))
             continue
         rule = None if op_plan.fallback else rule_for(view)
         fallback = rule is None
         if rule is None:
             rule = fallback_rule(view)
-        key = (rule, op.literal_operands)
-        strategies = cache.get(key)
-        if strategies is None:
-            strategies = strategies_of(rule, mesh, tuple(op.literal_operands))
-            cache[key] = strategies
+        strategies = strategies_of(rule, mesh, tuple(op.literal_operands))
         matching = [s for s in strategies if s.operands == op_plan.operands and s.results == op_plan.results]
         if not matching:
             raise ShardsolveError(
