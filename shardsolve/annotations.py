@@ -92,6 +92,30 @@ def to_sharding(ann: Any, shape: tuple[int, ...], mesh: MeshSpec, what: str) -> 
     return s
 
 
+def constraint_sharding(params: dict, shape: tuple[int, ...], mesh: MeshSpec,
+                        what: str) -> tuple[Sharding, frozenset[int]] | None:
+    """A ``with_sharding_constraint`` inside the function (its equation's ``params``) as the sharding it pins
+    and the dimensions it leaves free (``PartitionSpec.UNCONSTRAINED``); ``None`` for a constraint that
+    names no mesh layout (a memory kind or layout alone). Checked like ``in_shardings`` (``to_sharding``);
+    the constraint's mesh must give each axis it uses the plan's size."""
+    ns = params.get("sharding")
+    if not isinstance(ns, NamedSharding):
+        return None
+    sizes = dict(ns.mesh.shape)
+    spec = tuple(ns.spec)
+    free = set(params.get("unconstrained_dims") or ())
+    free.update(d for d, entry in enumerate(spec) if entry is PartitionSpec.UNCONSTRAINED)
+    named = [None if d in free else entry for d, entry in enumerate(spec)]
+    for entry in named:
+        for a in (entry,) if isinstance(entry, str) else (entry or ()):
+            if a in mesh.names and sizes.get(a) != mesh.axis_size(a):
+                raise ShardsolveError(
+                    f"{what}: mesh axis {a!r} has size {sizes.get(a)} in the constraint's mesh but "
+                    f"{mesh.axis_size(a)} in the plan's ({mesh}); plan on the mesh the function constrains to"
+                )
+    return to_sharding(PartitionSpec(*named), shape, mesh, what), frozenset(free)
+
+
 def leaf_paths(tree_def: Any) -> list[str]:
     """The key path of every leaf of ``tree_def``, e.g. ``["[0]['w']", "[1]"]`` (``trace.leaf_names``)."""
     return leaf_names(tree_def)

@@ -72,7 +72,9 @@ from typing import Any, Iterator, Sequence
 
 import numpy as np
 
+from shardsolve.annotations import constraint_sharding
 from shardsolve.cost import COMBINE_COUNT, ReshardTables, collective_cost, fusion_classes, reshard_time_given
+from shardsolve.errors import ShardsolveError
 from shardsolve.graph import Graph, Lit, Op, ScanBoundary, scan_counts
 from shardsolve.mesh import MeshSpec
 from shardsolve.problem import FORBIDDEN, Edge, Node, Pin, Problem
@@ -1027,6 +1029,8 @@ class ProblemBuilder:
         else:
             self.op_node[op.id] = idx
             self.add_operands(idx, rs, interval[0], name, g, op, rule)
+        if op.primitive == "sharding_constraint":
+            self.pin_constraint(g, op, idx, rs)
         produced_at, ids_at = self.produced_at, self.ids_at
         for r, v in enumerate(op.outputs):
             produced_at[(scope, v)] = (idx, [s.results[r] for s in rs.strategies])
@@ -1036,6 +1040,33 @@ class ProblemBuilder:
         for k, x in enumerate(op.inputs):
             if not isinstance(x, Lit):
                 read_edge(scope, g, x, rs.operand_ids[k], idx, scale)
+
+    def pin_constraint(self, g: Graph, op: Op, idx: int, rs: RuleStrategies) -> None:
+        """A ``with_sharding_constraint`` inside the function is a user annotation: its op node (an identity)
+        keeps the strategies whose result is laid out as it asks (dimensions it leaves unconstrained free)."""
+        value = g.values[op.outputs[0]]
+        where = op.where()
+        what = f"with_sharding_constraint at {where}" if where else f"with_sharding_constraint ({op.name()})"
+        found = constraint_sharding(op.params, tuple(value.shape), self.mesh, what)
+        if found is None:
+            return
+        wanted, free = found
+        label = f"{what} = {wanted.to_spec()}"
+        allowed = tuple(k for k, st in enumerate(rs.strategies)
+                        if not st.results[0].partial
+                        and all(d in free or got == want for d, (got, want) in enumerate(zip(st.results[0].dims,
+                                                                                            wanted.dims))))
+        if allowed:
+            self.pins.append(Pin(idx, allowed, label))
+            return
+        mixed = [axes for axes in wanted.dims if axes != self.mesh.order(axes)]
+        if mixed:
+            raise ShardsolveError(f"{label}: splits a dimension over {mixed[0]}, out of the mesh's order "
+                                  f"{self.mesh.names}; the planner splits a dimension over several axes in mesh "
+                                  f"order: write {self.mesh.order(mixed[0])}")
+        raise ShardsolveError(f"{label}: no strategy of the planner lays the value out so"
+                              + ("" if self.options.uneven else " with even splits alone (uneven=False)")
+                              + "; drop the constraint or change its PartitionSpec")
 
     def add_operands(self, idx: int, rs: RuleStrategies, step: int, name: str, g: Graph, op: Op, rule: Rule) -> None:
         """The memory of the operand layouts op node ``idx`` reads, live during its own time step, and of the

@@ -65,7 +65,7 @@ from shardsolve.plan import Plan
 from shardsolve.planner import plan as make_plan
 from shardsolve.propagation import concrete_mesh, shardy_propagation
 from shardsolve.sharding import Sharding
-from shardsolve.trace import abstractify
+from shardsolve.trace import abstractify, in_mesh
 from shardsolve.units import parse_memory_limit
 
 COLUMNS = ("gspmd", "shardy", "shardsolve", "expert")
@@ -337,7 +337,17 @@ def _to_named(ann: Any, jmesh, ndim: int) -> Any:
 
 
 def jit_with(fun: Callable, args: Sequence[Any], jmesh, in_shardings: Any, out_shardings: Any):
-    """``jax.jit(fun)`` with the annotations as ``NamedSharding`` pytrees (None leaves left to propagation)."""
+    """``jax.jit(fun)`` with the annotations as ``NamedSharding`` pytrees (None leaves left to propagation).
+
+    ``fun`` runs with the mesh as JAX's context mesh (``trace.in_mesh``), as the planner traces it: a
+    ``with_sharding_constraint(x, PartitionSpec(...))`` inside it holds for propagation too.
+    """
+    inner = fun
+
+    def fun(*a):
+        with in_mesh(jmesh):
+            return inner(*a)
+
     abstract = tuple(jax.tree.map(abstractify, a) for a in args)
     in_tree = jax.tree_util.tree_structure(abstract)
     kwargs: dict[str, Any] = {}

@@ -103,19 +103,7 @@ class _OpKey:
 
 def _op_keys(graph) -> dict[int, _OpKey]:
     """Primitive, name stack and user source line of every op of the traced program."""
-    from jax._src import source_info_util
-
-    keys = {}
-    for op in graph.ops:
-        where = ""
-        try:
-            frame = source_info_util.user_frame(op.eqn.source_info.traceback)
-            if frame is not None:
-                where = f"{frame.file_name}:{frame.start_line}"
-        except Exception:  # noqa: BLE001 - source info is best effort
-            where = ""
-        keys[op.id] = _OpKey(op.primitive, _normal_stack(op.source), where)
-    return keys
+    return {op.id: _OpKey(op.primitive, _normal_stack(op.source), op.where()) for op in graph.ops}
 
 
 def _normal_stack(stack: str) -> str:

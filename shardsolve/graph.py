@@ -96,6 +96,16 @@ class Op:
     def name(self) -> str:
         return f"%{self.id} {self.primitive}" + (f" [{self.source}]" if self.source else "")
 
+    def where(self) -> str:
+        """The user's source line that made the op (``"file:line"``), or "" where JAX kept none."""
+        from jax._src import source_info_util
+
+        try:
+            frame = source_info_util.user_frame(self.eqn.source_info.traceback)
+        except Exception:  # noqa: BLE001 - source info is best effort
+            return ""
+        return "" if frame is None else f"{frame.file_name}:{frame.start_line}"
+
 
 @dataclass
 class Graph:

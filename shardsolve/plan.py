@@ -355,7 +355,7 @@ class Plan:
 
     def bind(self, fun: Callable, *args: Any) -> Plan:
         """Attach a function to a loaded plan, checking its signature against the plan's."""
-        traced = trace(fun, *args)
+        traced = trace(fun, *args, mesh=self.mesh)
         problem = self.signature.mismatch(Signature.of(traced))
         if problem:
             raise ShardsolveError(f"this plan was made for a different function: {problem}; plan it again")

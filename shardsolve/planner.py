@@ -804,7 +804,7 @@ def _traced_problem(fun: Callable, args: tuple, mesh: MeshSpec, in_shardings: An
     collecting = gc.isenabled()
     gc.disable()
     try:
-        traced = trace(fun, *args)
+        traced = trace(fun, *args, mesh=mesh)
         graph = Graph.from_traced(traced)
         in_pins = argument_pins(traced, in_shardings, mesh)
         out_pins = output_pins(traced, out_shardings, mesh)

@@ -189,6 +189,14 @@ def _on_key_data(eqn, invals: list) -> list | None:
     )
 
 
+def _auto_only(sharding: Any) -> bool:
+    """Whether ``sharding`` (a ``reshard``'s destination) lies on a mesh of automatic axes alone: with the plan's
+    mesh as context mesh, JAX adds such ``reshard``s (an ``.at[...].add``'s updates) that change nothing."""
+    mesh = getattr(sharding, "mesh", None)
+    types = getattr(mesh, "axis_types", None)
+    return types is not None and all(t == jax.sharding.AxisType.Auto for t in types)
+
+
 def eval_inlined(jaxpr: Any, consts: Sequence[Any], *args: Any) -> list[Any]:
     """Evaluate an open jaxpr, stepping into nested calls instead of binding them.
 
@@ -213,6 +221,8 @@ def eval_inlined(jaxpr: Any, consts: Sequence[Any], *args: Any) -> list[Any]:
                 outvals = eval_inlined(body, body_consts, *invals)
             elif (on_data := _on_key_data(eqn, invals)) is not None:
                 outvals = on_data
+            elif eqn.primitive.name == "reshard" and _auto_only(eqn.params.get("dst_sharding")):
+                outvals = invals  # a no-op under automatic axes (JAX lowers it to nothing): the value itself
             else:
                 outvals = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(eqn.params))
                 if not eqn.primitive.multiple_results:
@@ -317,8 +327,26 @@ def _drop_dead_equations(closed: Any) -> Any:
     return jcore.ClosedJaxpr(jaxpr.replace(eqns=kept[::-1]), closed.consts)
 
 
-def trace(fun: Callable, *args: Any) -> Traced:
-    """Trace ``fun(*args)`` to a flat closed jaxpr; ``args`` may be ``ShapeDtypeStruct``s."""
+def in_mesh(mesh: Any):
+    """A context in which ``mesh`` (a ``MeshSpec`` or a JAX mesh) is JAX's abstract mesh, so that a
+    ``with_sharding_constraint(x, PartitionSpec(...))`` inside the traced function names its axes; a context
+    mesh the caller set already is kept (nothing is entered). No-op without a mesh."""
+    if mesh is None or not jax.sharding.get_abstract_mesh().empty:
+        return contextlib.nullcontext()
+    abstract = mesh.abstract_mesh  # a MeshSpec's method, a JAX mesh's property
+    return jax.sharding.use_abstract_mesh(abstract() if callable(abstract) else abstract)
+
+
+def trace(fun: Callable, *args: Any, mesh: Any = None) -> Traced:
+    """Trace ``fun(*args)`` to a flat closed jaxpr; ``args`` may be ``ShapeDtypeStruct``s.
+
+    With a ``mesh`` (``MeshSpec``) the function is traced with it as JAX's context mesh (``in_mesh``).
+    """
+    with in_mesh(mesh):
+        return _trace(fun, *args)
+
+
+def _trace(fun: Callable, *args: Any) -> Traced:
     if not callable(fun):
         raise ShardsolveError(f"expected a function to plan, got {type(fun).__name__}")
     abstract = jax.tree_util.tree_map(abstractify, args)
@@ -362,7 +390,7 @@ def inline_closed(closed: Any) -> Any:
     Used for ``scan`` bodies, which ``trace`` keeps as one structured equation.
     """
     jaxpr = closed.jaxpr
-    if not any(e.primitive.name in INLINED for e in jaxpr.eqns):
+    if not any(e.primitive.name in INLINED or e.primitive.name == "reshard" for e in jaxpr.eqns):
         return drop_dead_code(merge_duplicates(closed))
     avals = [v.aval for v in jaxpr.invars]
 

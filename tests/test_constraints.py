@@ -1,0 +1,138 @@
+"""``with_sharding_constraint`` inside the planned function: a user annotation, held as a hard constraint.
+
+The function is traced with the plan's mesh as JAX's context mesh, so a bare
+``PartitionSpec`` names its axes as it does under ``jax.set_mesh``; the
+constrained value is laid out as asked (dimensions left
+``PartitionSpec.UNCONSTRAINED`` stay free), and propagation's baselines in
+``compare`` see the same constraint.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import shardsolve
+from shardsolve.errors import ShardsolveError
+from shardsolve.sharding import Sharding
+
+MESH = "data=2,model=4"
+X = jax.ShapeDtypeStruct((64, 128), jnp.float32)
+W = jax.ShapeDtypeStruct((128, 256), jnp.float32)
+
+
+def _constrained(spec):
+    def f(x, w):
+        y = jax.lax.with_sharding_constraint(jnp.tanh(x @ w), spec)
+        return (y * 2).sum(axis=1)
+
+    return f
+
+
+def _laid_out(plan) -> list[Sharding]:
+    return [op.results[0] for op in plan.ops if op.primitive == "sharding_constraint"]
+
+
+def _values(*shapes):
+    rng = np.random.default_rng(0)
+    return [rng.standard_normal(s).astype(np.float32) for s in shapes]
+
+
+@pytest.mark.parametrize("spec", [P(None, "model"), P("data", "model"), P(None, ("data", "model"))])
+def test_a_bare_partition_spec_is_held_and_runs(spec):
+    f = _constrained(spec)
+    plan = shardsolve.plan(f, X, W, mesh=MESH, in_shardings=(P("data"), None))
+    (got,) = _laid_out(plan)
+    assert got == Sharding.from_spec(spec, 2)
+    x, w = _values((64, 128), (128, 256))
+    with jax.set_mesh(jax.make_mesh((2, 4), ("data", "model"), axis_types=(AxisType.Auto,) * 2)):
+        want = np.asarray(jax.jit(f)(x, w))
+    np.testing.assert_allclose(np.asarray(plan.jit()(x, w)), want, rtol=1e-4, atol=1e-4)
+
+
+def test_the_constraint_binds_where_the_free_plan_lays_the_value_out_otherwise():
+    free = shardsolve.plan(_constrained(P()), X, W, mesh=MESH, in_shardings=(P("data"), None))
+    assert _laid_out(free) == [Sharding.replicated(2)]  # the replicated pin holds too
+    loose = shardsolve.plan(_constrained(P(P.UNCONSTRAINED, P.UNCONSTRAINED)), X, W, mesh=MESH,
+                            in_shardings=(P("data"), None))
+    pinned = shardsolve.plan(_constrained(P(None, "model")), X, W, mesh=MESH, in_shardings=(P("data"), None))
+    assert _laid_out(loose) != [Sharding.from_spec(P(None, "model"), 2)]
+    assert _laid_out(pinned) == [Sharding.from_spec(P(None, "model"), 2)]
+    assert pinned.cost.total > loose.cost.total  # the constraint costs its reshard
+
+
+def test_an_unconstrained_dimension_stays_free():
+    plan = shardsolve.plan(_constrained(P(P.UNCONSTRAINED, "model")), X, W, mesh=MESH, in_shardings=(P("data"), None))
+    (got,) = _laid_out(plan)
+    assert got.dims[1] == ("model",)
+    assert got.dims[0] == ("data",)  # the batch split the argument brings, kept: the free choice
+
+
+def test_a_constraint_inside_a_scan_body_is_held():
+    def f(x, ws):
+        def body(c, w):
+            return jax.lax.with_sharding_constraint(jnp.tanh(c @ w), P(None, "model")), None
+
+        return jax.lax.scan(body, x, ws)[0].sum()
+
+    ws = jax.ShapeDtypeStruct((3, 128, 128), jnp.float32)
+    plan = shardsolve.plan(f, X, ws, mesh=MESH, in_shardings=(P("data"), None))
+    (scan,) = [op for op in plan.ops if op.primitive == "scan"]
+    assert [op.results[0] for op in scan.body if op.primitive == "sharding_constraint"] == [
+        Sharding.from_spec(P(None, "model"), 2)]
+    x, w = _values((64, 128), (3, 128, 128))
+    with jax.set_mesh(jax.make_mesh((2, 4), ("data", "model"), axis_types=(AxisType.Auto,) * 2)):
+        want = np.asarray(jax.jit(f)(x, w))
+    np.testing.assert_allclose(np.asarray(plan.jit()(x, w)), want, rtol=1e-3)
+
+
+def test_compare_gives_propagation_the_same_constraint():
+    result = shardsolve.compare(_constrained(P(None, "model")), X, W, mesh=MESH, in_shardings=(P("data"), None),
+                                columns=("shardy", "shardsolve"))
+    assert result.columns and not any(c.error for c in result.columns), [c.error for c in result.columns]
+
+
+@pytest.mark.parametrize("spec, match", [
+    (P(None, ("model", "data")), r"out of the mesh's order .* write \('data', 'model'\)"),
+    (P("model", "model"), "tracing the function failed: DuplicateSpecError"),
+    (P("nope"), "tracing the function failed: .*nope"),
+])
+def test_a_constraint_the_plan_cannot_hold_is_refused_in_one_line(spec, match):
+    with pytest.raises(ShardsolveError, match=match) as info:
+        shardsolve.plan(_constrained(spec), X, W, mesh=MESH)
+    assert "\n" not in str(info.value)
+
+
+def test_a_constraint_on_a_mesh_of_other_sizes_is_refused_in_one_line():
+    other = jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
+    with pytest.raises(ShardsolveError, match=r"'data' has size 4 in the constraint's mesh but 2 in the plan's") as info:
+        shardsolve.plan(_constrained(NamedSharding(other, P("data"))), X, W, mesh=MESH)
+    assert "\n" not in str(info.value) and "test_constraints.py:" in str(info.value)
+
+
+def test_tracing_with_the_plan_s_mesh_adds_no_operations():
+    """Under a context mesh JAX adds ``reshard``s (an ``.at[...].add``'s updates) that change nothing on
+    automatic axes: ``trace`` drops them, in scan bodies too, so the program is the one traced without."""
+    from shardsolve.graph import Graph
+    from shardsolve.mesh import MeshSpec
+    from shardsolve.trace import trace
+
+    def f(ids, g):
+        def body(c, x):
+            return c.at[ids].add(x), None
+
+        return jax.lax.scan(body, jnp.zeros((64, 8)).at[ids].add(g[0]), g)[0]
+
+    args = (jax.ShapeDtypeStruct((16,), jnp.int32), jax.ShapeDtypeStruct((3, 16, 8), jnp.float32))
+
+    def primitives(graph):
+        return [(op.primitive, primitives(graph.body(op)) if op.primitive == "scan" else None) for op in graph.ops]
+
+    plain = primitives(Graph.from_traced(trace(f, *args)))
+    in_mesh = primitives(Graph.from_traced(trace(f, *args, mesh=MeshSpec.parse(MESH))))
+    assert in_mesh == plain
+    assert "reshard" not in str(plain) and "scatter-add" in str(plain)
