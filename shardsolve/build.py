@@ -1052,10 +1052,15 @@ class ProblemBuilder:
             return
         wanted, free = found
         label = f"{what} = {wanted.to_spec()}"
+        sizes = self.mesh.shape
+
+        def split(axes: tuple[str, ...]) -> tuple[str, ...]:  # an axis of size 1 splits nothing
+            return tuple(a for a in axes if sizes[a] > 1)
+
+        want = [split(axes) for axes in wanted.dims]
         allowed = tuple(k for k, st in enumerate(rs.strategies)
                         if not st.results[0].partial
-                        and all(d in free or got == want for d, (got, want) in enumerate(zip(st.results[0].dims,
-                                                                                            wanted.dims))))
+                        and all(d in free or split(got) == want[d] for d, got in enumerate(st.results[0].dims)))
         if allowed:
             self.pins.append(Pin(idx, allowed, label))
             return

@@ -65,6 +65,12 @@ def test_the_constraint_binds_where_the_free_plan_lays_the_value_out_otherwise()
     assert pinned.cost.total > loose.cost.total  # the constraint costs its reshard
 
 
+def test_an_axis_of_size_one_splits_nothing():
+    plan = shardsolve.plan(_constrained(P("data", "model")), X, W, mesh="data=1,model=8")
+    (got,) = _laid_out(plan)
+    assert got.dims[0] in ((), ("data",)) and got.dims[1] == ("model",)
+
+
 def test_an_unconstrained_dimension_stays_free():
     plan = shardsolve.plan(_constrained(P(P.UNCONSTRAINED, "model")), X, W, mesh=MESH, in_shardings=(P("data"), None))
     (got,) = _laid_out(plan)
