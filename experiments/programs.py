@@ -20,7 +20,10 @@ annotation or anything the planner was tuned on:
 * ``moe_top2``: a top-2 router (``lax.top_k``) over experts written with ``einsum``;
 * ``segment_bag``: bags of embeddings summed by ``jax.ops.segment_sum``;
 * ``gnn``: message passing, node features gathered at both ends of every edge
-  and the messages summed into the nodes (``segment_sum``).
+  and the messages summed into the nodes (``segment_sum``);
+* ``constrained_lm``: a language model with MaxText-style activation
+  constraints inside (``with_sharding_constraint`` with bare ``PartitionSpec``s),
+  which propagation and the planner both hold.
 
 ``experiments/new_programs.py`` plans and compiles them; ``tests/test_new_programs.py`` keeps a small slice.
 """
@@ -295,6 +298,36 @@ def gnn(size: str):
     return sgd(loss), (params, data), (None, (P("data"),) * 4)
 
 
+def constrained_lm(size: str):
+    """A language model whose activations carry MaxText-style ``with_sharding_constraint``s with bare
+    ``PartitionSpec``s (the residual stream on ``"data"``, the MLP's hidden units on ``"model"``)."""
+    b, s, d, heads, depth, vocab = (8, 1024, 2048, 16, 2, 32000) if size == "large" else (4, 16, 64, 8, 2, 128)
+    dh = d // heads
+    params = {"embed": S((vocab, d), f32),
+              "layers": [{"qkv": S((d, 3 * d), f32), "o": S((d, d), f32), "up": S((d, 4 * d), f32),
+                          "down": S((4 * d, d), f32), "n1": S((d,), f32), "n2": S((d,), f32)} for _ in range(depth)]}
+    data = (S((b, s), jnp.int32), S((b, s), jnp.int32))
+    constrain = jax.lax.with_sharding_constraint
+
+    def rms(x, g):
+        return x * lax.rsqrt((x * x).mean(-1, keepdims=True) + 1e-6) * g
+
+    def loss(p, data):
+        tokens, targets = data
+        x = constrain(p["embed"][tokens], P("data", None, None))
+        for w in p["layers"]:
+            q, k, v = jnp.split((rms(x, w["n1"]) @ w["qkv"]).reshape(b, s, 3 * heads, dh), 3, axis=2)
+            att = jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(dh)
+            att = jax.nn.softmax(jnp.where(jnp.tril(jnp.ones((s, s), bool)), att, -1e9), -1)
+            x = constrain(x + jnp.einsum("bhqk,bkhd->bqhd", att, v).reshape(b, s, d) @ w["o"], P("data", None, None))
+            hidden = constrain(jax.nn.gelu(rms(x, w["n2"]) @ w["up"]), P("data", None, "model"))
+            x = constrain(x + hidden @ w["down"], P("data", None, None))
+        return cross_entropy((x @ p["embed"].T).reshape(-1, vocab), targets.reshape(-1))
+
+    return sgd(loss), (params, data), (None, BATCH)
+
+
 PROGRAMS: dict[str, Callable] = {"vit": vit, "gru": gru, "mixer": mixer, "twotower": twotower, "conv1d": conv1d,
                                  "remat_lm": remat_lm, "bf16_mlp": bf16_mlp, "adam_mlp": adam_mlp, "cnn2d": cnn2d,
-                                 "moe_top2": moe_top2, "segment_bag": segment_bag, "gnn": gnn}
+                                 "moe_top2": moe_top2, "segment_bag": segment_bag, "gnn": gnn,
+                                 "constrained_lm": constrained_lm}
