@@ -339,8 +339,9 @@ def _to_named(ann: Any, jmesh, ndim: int) -> Any:
 def jit_with(fun: Callable, args: Sequence[Any], jmesh, in_shardings: Any, out_shardings: Any):
     """``jax.jit(fun)`` with the annotations as ``NamedSharding`` pytrees (None leaves left to propagation).
 
-    ``fun`` runs with the mesh as JAX's context mesh (``trace.in_mesh``), as the planner traces it: a
-    ``with_sharding_constraint(x, PartitionSpec(...))`` inside it holds for propagation too.
+    ``fun`` runs with the mesh as JAX's context mesh (``trace.in_mesh``; the same program where it needs
+    none): a ``with_sharding_constraint(x, PartitionSpec(...))`` inside it holds for propagation as for the
+    planner.
     """
     inner = fun
 

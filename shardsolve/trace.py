@@ -340,13 +340,11 @@ def in_mesh(mesh: Any):
 def trace(fun: Callable, *args: Any, mesh: Any = None) -> Traced:
     """Trace ``fun(*args)`` to a flat closed jaxpr; ``args`` may be ``ShapeDtypeStruct``s.
 
-    With a ``mesh`` (``MeshSpec``) the function is traced with it as JAX's context mesh (``in_mesh``).
+    A function that does not trace as it is is traced again with ``mesh`` (a ``MeshSpec``), where given, as
+    JAX's context mesh (``in_mesh``): a ``with_sharding_constraint(x, PartitionSpec(...))`` inside it needs one.
+    (Not first: a context mesh keys JAX's caches, so a program JAX has just compiled without one traces
+    again from scratch, 0.3 s of a 12-layer GPT-2's.)
     """
-    with in_mesh(mesh):
-        return _trace(fun, *args)
-
-
-def _trace(fun: Callable, *args: Any) -> Traced:
     if not callable(fun):
         raise ShardsolveError(f"expected a function to plan, got {type(fun).__name__}")
     abstract = jax.tree_util.tree_map(abstractify, args)
@@ -357,12 +355,23 @@ def _trace(fun: Callable, *args: Any) -> Traced:
                 f"{name} is a typed PRNG key array ({leaf.dtype}{list(leaf.shape)}): pass its data instead, "
                 "jax.random.key_data(key), and rebuild the key inside the function with jax.random.wrap_key_data"
             )
+    context = contextlib.nullcontext()
     try:
         nested, out_shape = jax.make_jaxpr(fun, return_shape=True)(*abstract)
     except ShardsolveError:
         raise
-    except Exception as e:
-        raise ShardsolveError(f"tracing the function failed: {type(e).__name__}: {str(e).splitlines()[0]}") from e
+    except Exception as plain:
+        context = in_mesh(mesh)
+        if isinstance(context, contextlib.nullcontext):  # no mesh to try, or the caller's already set
+            raise ShardsolveError(f"tracing the function failed: {type(plain).__name__}: "
+                                  f"{str(plain).splitlines()[0]}") from plain
+        try:
+            with in_mesh(mesh):
+                nested, out_shape = jax.make_jaxpr(fun, return_shape=True)(*abstract)
+        except ShardsolveError:
+            raise
+        except Exception as e:
+            raise ShardsolveError(f"tracing the function failed: {type(e).__name__}: {str(e).splitlines()[0]}") from e
     out_tree = jax.tree_util.tree_structure(out_shape)
     for name, leaf in zip(leaf_names(out_tree, "outputs"), jax.tree_util.tree_leaves(out_shape)):
         if key_impl(leaf) is not None:
@@ -374,7 +383,8 @@ def _trace(fun: Callable, *args: Any) -> Traced:
     def flat(*flat_args):
         return eval_inlined(nested.jaxpr, nested.consts, *flat_args)
 
-    closed = drop_dead_code(merge_duplicates(jax.make_jaxpr(flat)(*leaves)))
+    with context:
+        closed = drop_dead_code(merge_duplicates(jax.make_jaxpr(flat)(*leaves)))
     return Traced(
         jaxpr=closed,
         in_tree=in_tree,

@@ -1,6 +1,6 @@
 """``with_sharding_constraint`` inside the planned function: a user annotation, held as a hard constraint.
 
-The function is traced with the plan's mesh as JAX's context mesh, so a bare
+A function that needs a context mesh is traced with the plan's, so a bare
 ``PartitionSpec`` names its axes as it does under ``jax.set_mesh``; the
 constrained value is laid out as asked (dimensions left
 ``PartitionSpec.UNCONSTRAINED`` stay free), and propagation's baselines in
@@ -121,24 +121,32 @@ def test_a_constraint_on_a_mesh_of_other_sizes_is_refused_in_one_line():
 
 
 def test_tracing_with_the_plan_s_mesh_adds_no_operations():
-    """Under a context mesh JAX adds ``reshard``s (an ``.at[...].add``'s updates) that change nothing on
-    automatic axes: ``trace`` drops them, in scan bodies too, so the program is the one traced without."""
+    """A function that needs a context mesh is traced with the plan's, where JAX adds ``reshard``s (an
+    ``.at[...].add``'s updates) that change nothing on automatic axes: ``trace`` drops them, in scan bodies
+    too, so the program is the one a ``NamedSharding`` constraint traces to without a context mesh."""
     from shardsolve.graph import Graph
     from shardsolve.mesh import MeshSpec
     from shardsolve.trace import trace
 
-    def f(ids, g):
-        def body(c, x):
-            return c.at[ids].add(x), None
+    def program(spec):
+        def f(ids, g):
+            def body(c, x):
+                return c.at[ids].add(x), None
 
-        return jax.lax.scan(body, jnp.zeros((64, 8)).at[ids].add(g[0]), g)[0]
+            start = jax.lax.with_sharding_constraint(jnp.zeros((64, 8)).at[ids].add(g[0]), spec)
+            return jax.lax.scan(body, start, g)[0]
+
+        return f
 
     args = (jax.ShapeDtypeStruct((16,), jnp.int32), jax.ShapeDtypeStruct((3, 16, 8), jnp.float32))
+    named = NamedSharding(jax.make_mesh((2, 4), ("data", "model"), axis_types=(AxisType.Auto,) * 2), P("model"))
 
     def primitives(graph):
         return [(op.primitive, primitives(graph.body(op)) if op.primitive == "scan" else None) for op in graph.ops]
 
-    plain = primitives(Graph.from_traced(trace(f, *args)))
-    in_mesh = primitives(Graph.from_traced(trace(f, *args, mesh=MeshSpec.parse(MESH))))
+    plain = primitives(Graph.from_traced(trace(program(named), *args)))
+    in_mesh = primitives(Graph.from_traced(trace(program(P("model")), *args, mesh=MeshSpec.parse(MESH))))
     assert in_mesh == plain
-    assert "reshard" not in str(plain) and "scatter-add" in str(plain)
+    assert "reshard" not in str(plain) and "scatter-add" in str(plain) and "sharding_constraint" in str(plain)
+    with pytest.raises(ShardsolveError, match="tracing the function failed: .*mesh"):
+        trace(program(P("model")), *args)  # no mesh to trace it with
