@@ -394,6 +394,16 @@ def _pinned_differences(plan, found: Sequence[HloCollective]) -> list[Difference
 # -- verify ------------------------------------------------------------------------------
 
 
+def _reference(plan, args: tuple) -> Any:
+    """The unsharded function's outputs; where it runs only under a context mesh (a bare ``PartitionSpec`` in a
+    ``with_sharding_constraint``), under the plan's, as ``trace`` traced it."""
+    try:
+        return plan.fun(*args)
+    except Exception:  # noqa: BLE001 - run again under the plan's mesh; a failure there is the function's own
+        with jax.set_mesh(plan.mesh.devices_mesh("verify")):
+            return plan.fun(*args)
+
+
 def verify(plan, *args: Any, rtol: float | None = None, atol: float | None = None,
            pinned: bool = False) -> VerifyReport:
     """Numerics and collective inventories of ``plan`` for ``args`` (see the module docstring)."""
@@ -409,7 +419,7 @@ def verify(plan, *args: Any, rtol: float | None = None, atol: float | None = Non
 
     numerics: tuple[LeafCheck, ...] = ()
     if not abstract:
-        expected = plan.fun(*args)
+        expected = _reference(plan, args)
         numerics = _numerics(run(*args), pinned_fn(*args) if pinned_fn is not None else None, expected, rtol, atol)
 
     return VerifyReport(

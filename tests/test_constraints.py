@@ -52,6 +52,8 @@ def test_a_bare_partition_spec_is_held_and_runs(spec):
     with jax.set_mesh(jax.make_mesh((2, 4), ("data", "model"), axis_types=(AxisType.Auto,) * 2)):
         want = np.asarray(jax.jit(f)(x, w))
     np.testing.assert_allclose(np.asarray(plan.jit()(x, w)), want, rtol=1e-4, atol=1e-4)
+    report = shardsolve.verify(plan, x, w)  # the unsharded reference run under the plan's mesh
+    assert report.ok, report
 
 
 def test_the_constraint_binds_where_the_free_plan_lays_the_value_out_otherwise():
