@@ -39,7 +39,7 @@ from jax.sharding import NamedSharding
 
 from shardsolve.errors import ShardsolveError
 from shardsolve.graph import Lit, ScanBoundary
-from shardsolve.lower import lower
+from shardsolve.lower import InOwnMesh, lower
 from shardsolve.schedule import is_planned_scan
 from shardsolve.sharding import Sharding
 
@@ -168,7 +168,7 @@ def plan_jit(plan, execution: str = "lowered", **jit_kwargs) -> Callable:
     traced = plan.graph.traced
     in_flat = [named(mesh, s) for s in boundary(plan, "in")]
     out_flat = [named(mesh, s) for s in boundary(plan, "out")]
-    flat_jit = jax.jit(run, in_shardings=in_flat, out_shardings=out_flat, **jit_kwargs)
+    flat_jit = InOwnMesh(jax.jit(run, in_shardings=in_flat, out_shardings=out_flat, **jit_kwargs), mesh)
 
     def call(*args):
         leaves, tree = jax.tree_util.tree_flatten(args)

@@ -24,7 +24,7 @@ from jax.extend import core as jcore
 
 from shardsolve.cost import wire_itemsize
 from shardsolve.sharding import Sharding
-from shardsolve.trace import Traced, inline_closed, leaf_names
+from shardsolve.trace import Traced, inline_closed, leaf_names, user_line
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,13 +98,7 @@ class Op:
 
     def where(self) -> str:
         """The user's source line that made the op (``"file:line"``), or "" where JAX kept none."""
-        from jax._src import source_info_util
-
-        try:
-            frame = source_info_util.user_frame(self.eqn.source_info.traceback)
-        except Exception:  # noqa: BLE001 - source info is best effort
-            return ""
-        return "" if frame is None else f"{frame.file_name}:{frame.start_line}"
+        return user_line(self.eqn)
 
 
 @dataclass

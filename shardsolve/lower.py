@@ -494,6 +494,36 @@ class _Rewriter:
         return list(new_carry) + list(ys)
 
 
+class InOwnMesh:
+    """A jitted function called, lowered and traced with its own mesh as JAX's context mesh where the caller set
+    another (``jax.set_mesh`` of a mesh with ``Explicit`` axes, ``jax.make_mesh``'s default): ``shard_map``
+    refuses a context mesh other than its own. Everything else is the jitted function's."""
+
+    def __init__(self, fn: Callable, mesh: Any):
+        self._fn, self._mesh = fn, mesh
+
+    def _context(self):
+        current = jax.sharding.get_abstract_mesh()
+        if current.empty or current == self._mesh.abstract_mesh:
+            return contextlib.nullcontext()
+        return jax.sharding.use_abstract_mesh(self._mesh.abstract_mesh)
+
+    def __call__(self, *args, **kwargs):
+        with self._context():
+            return self._fn(*args, **kwargs)
+
+    def lower(self, *args, **kwargs):
+        with self._context():
+            return self._fn.lower(*args, **kwargs)
+
+    def trace(self, *args, **kwargs):
+        with self._context():
+            return self._fn.trace(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._fn, name)
+
+
 def lower(plan, **jit_kwargs) -> Callable:
     """The rewriter's program for ``plan``: call it like the planned function.
 
@@ -526,8 +556,8 @@ def lower(plan, **jit_kwargs) -> Callable:
     def flat_program(*flat_args):
         return body(*flat_args, *const_values)
 
-    flat_jit = jax.jit(flat_program, in_shardings=tuple(in_named[: len(plan.inputs)]), out_shardings=tuple(out_named),
-                       **jit_kwargs)
+    flat_jit = InOwnMesh(jax.jit(flat_program, in_shardings=tuple(in_named[: len(plan.inputs)]),
+                                 out_shardings=tuple(out_named), **jit_kwargs), mesh)
 
     def flatten(args) -> list:
         leaves, tree = jax.tree_util.tree_flatten(args)

@@ -189,6 +189,35 @@ def _on_key_data(eqn, invals: list) -> list | None:
     )
 
 
+def _explicitly_sharded(jaxpr: Any) -> str:
+    """Where ``jaxpr`` (a flat program's) carries a sharding in a type, over mesh axes that are not automatic:
+    ``"reshard at file:line"``, ``"an argument f32[64@data]"``; "" where nowhere."""
+    def typed(aval: Any) -> bool:
+        sharding = getattr(aval, "sharding", None)
+        spec = getattr(sharding, "spec", None)
+        return spec is not None and any(entry is not None for entry in spec) and not _auto_only(sharding)
+
+    for v in jaxpr.invars:
+        if typed(v.aval):
+            return f"an argument {v.aval.str_short()}"
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "reshard" or any(typed(v.aval) for v in eqn.outvars):
+            where = user_line(eqn)
+            return f"{eqn.primitive.name} at {where}" if where else eqn.primitive.name
+    return ""
+
+
+def user_line(eqn: Any) -> str:
+    """The user's source line that made equation ``eqn`` (``"file:line"``), or "" where JAX kept none."""
+    from jax._src import source_info_util
+
+    try:
+        frame = source_info_util.user_frame(eqn.source_info.traceback)
+    except Exception:  # noqa: BLE001 - source info is best effort
+        return ""
+    return "" if frame is None else f"{frame.file_name}:{frame.start_line}"
+
+
 def _auto_only(sharding: Any) -> bool:
     """Whether ``sharding`` (a ``reshard``'s destination) lies on a mesh of automatic axes alone: with the plan's
     mesh as context mesh, JAX adds such ``reshard``s (an ``.at[...].add``'s updates) that change nothing."""
@@ -385,6 +414,13 @@ def trace(fun: Callable, *args: Any, mesh: Any = None) -> Traced:
 
     with context:
         closed = drop_dead_code(merge_duplicates(jax.make_jaxpr(flat)(*leaves)))
+    explicit = _explicitly_sharded(closed.jaxpr)
+    if explicit:
+        raise ShardsolveError(
+            f"the function shards values in their types ({explicit}: a mesh of Explicit axes, jax.make_mesh's "
+            "default, with jax.sharding.reshard or sharded arguments); shardsolve plans programs over automatic "
+            "axes: build the mesh with axis_types=(AxisType.Auto,) * n and pin values with with_sharding_constraint"
+        )
     return Traced(
         jaxpr=closed,
         in_tree=in_tree,

@@ -152,3 +152,34 @@ def test_tracing_with_the_plan_s_mesh_adds_no_operations():
     assert "reshard" not in str(plain) and "scatter-add" in str(plain) and "sharding_constraint" in str(plain)
     with pytest.raises(ShardsolveError, match="tracing the function failed: .*mesh"):
         trace(program(P("model")), *args)  # no mesh to trace it with
+
+
+def _explicit_mesh():
+    return jax.make_mesh((2, 4), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
+
+
+def test_a_plan_made_under_a_context_mesh_of_explicit_axes_runs():
+    """``jax.set_mesh(jax.make_mesh(...))`` (Explicit axes, JAX's default): the plan's programs run with their own
+    mesh as context mesh (``shard_map`` refuses any other)."""
+    def f(x, w):
+        return (jnp.tanh(x @ w) * 2).sum(axis=1)
+
+    x, w = _values((64, 128), (128, 256))
+    with jax.set_mesh(_explicit_mesh()):
+        plan = shardsolve.plan(f, X, W, mesh=MESH, in_shardings=(P("data"), None))
+        want = (np.tanh(x @ w) * 2).sum(1)
+        np.testing.assert_allclose(np.asarray(plan.jit()(x, w)), want, rtol=1e-4)
+        np.testing.assert_allclose(np.asarray(plan.jit(execution="pinned")(x, w)), want, rtol=1e-4)
+        result = shardsolve.compare(f, X, W, mesh=MESH, in_shardings=(P("data"), None), plan=plan,
+                                    columns=("shardy", "shardsolve"))
+    assert not any(c.error for c in result.columns), [c.error for c in result.columns]
+
+
+def test_values_sharded_in_their_types_are_refused_in_one_line():
+    def f(x, w):
+        return jax.sharding.reshard(jnp.tanh(x @ w), P(None, "model")).sum()
+
+    with jax.set_mesh(_explicit_mesh()):
+        with pytest.raises(ShardsolveError, match=r"shards values in their types \(reshard at .*test_constraints.py:") as info:
+            shardsolve.plan(f, X, W, mesh=MESH)
+    assert "\n" not in str(info.value) and "AxisType.Auto" in str(info.value)
