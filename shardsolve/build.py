@@ -487,6 +487,10 @@ class RuleStrategies:
         )
 
 
+#: Primitives whose operands' shards the program lays out by hand: no plan runs them (``ProblemBuilder.add_op``).
+HAND_LAID_OUT = frozenset({"shard_map"})
+
+
 #: A value's reads share a hub (``ProblemBuilder.add_reads``) only where it has at most this many layouts: on
 #: three-axis meshes (100 to 340 layouts a value) hubs added a third to the table entries, and the search of
 #: Llama large on 2x2x2 lost its way (72.3 ms with a 32% gap at 30 s, against 55.5 ms and 4.4% without them);
@@ -1015,6 +1019,13 @@ class ProblemBuilder:
         return rule, fallback, rs
 
     def add_op(self, g: Graph, op: Op, scope: Scope, scale: float, interval: tuple[int, int], name: str) -> None:
+        if op.primitive in HAND_LAID_OUT:
+            where = op.where()
+            raise ShardsolveError(
+                f"jax.{op.primitive}{f' at {where}' if where else ''}: a region whose shards are laid out by hand, "
+                "which the plan's own shard_map program cannot run; plan the parts before and after it as functions "
+                "of their own"
+            )
         live_out = () if scope else tuple(v in g.output_ids for v in op.outputs)
         rule, fallback, rs = self.rule_strategies(g, op, live_out if any(live_out) else ())
         costs = rs.costs * scale if scale != 1 else rs.costs

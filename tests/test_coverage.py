@@ -181,3 +181,18 @@ def test_named_axis_collective_outside_shard_map_is_refused_in_one_line():
     text = str(info.value)
     assert text.startswith("tracing the function failed: NameError") and "unbound axis name" in text
     assert "\n" not in text
+
+
+def test_a_shard_map_inside_the_function_is_refused_in_one_line():
+    """Its shards are laid out by hand, and a nested shard_map over the plan's (already manual) axes cannot run
+    inside the plan's own program: refused where it is, not at ``plan.jit()``."""
+    jmesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+
+    def f(x):
+        h = jnp.tanh(x)
+        return jax.shard_map(lambda a: a * lax.psum(a.sum(), "data"), mesh=jmesh, in_specs=P("data"),
+                             out_specs=P("data"))(h).sum()
+
+    with pytest.raises(shardsolve.ShardsolveError, match=r"jax.shard_map at .*test_coverage.py:\d+: a region") as info:
+        shardsolve.plan(f, jax.ShapeDtypeStruct((8, 4), jnp.float32), mesh="data=2,model=4")
+    assert "\n" not in str(info.value)

@@ -87,7 +87,7 @@ class LocalCall:
             raise ValueError(f"OpView of {self.op.primitive!r} carries no primitive; set OpView.prim to run it on shards")
         params = _local_params(self.op.params)
         params.update(changes)
-        out = prim.bind(*operands, **params)
+        out = prim.bind(*operands, **prim.get_bind_params(params))  # (a primitive with a body: as JAX binds it)
         return list(out) if prim.multiple_results else [out]
 
 
