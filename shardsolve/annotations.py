@@ -92,18 +92,18 @@ def to_sharding(ann: Any, shape: tuple[int, ...], mesh: MeshSpec, what: str) -> 
     return s
 
 
-def constraint_sharding(params: dict, shape: tuple[int, ...], mesh: MeshSpec,
+def constraint_sharding(ns: Any, unconstrained: Sequence[int], shape: tuple[int, ...], mesh: MeshSpec,
                         what: str) -> tuple[Sharding, frozenset[int]] | None:
-    """A ``with_sharding_constraint`` inside the function (its equation's ``params``) as the sharding it pins
-    and the dimensions it leaves free (``PartitionSpec.UNCONSTRAINED``); ``None`` for a constraint that
-    names no mesh layout (a memory kind or layout alone). Checked like ``in_shardings`` (``to_sharding``);
-    the constraint's mesh must give each axis it uses the plan's size."""
-    ns = params.get("sharding")
+    """A layout asked for inside the function (``with_sharding_constraint``'s ``sharding`` and
+    ``unconstrained_dims``, or one of ``device_put``'s ``devices``) as the sharding it pins and the dimensions
+    it leaves free (``PartitionSpec.UNCONSTRAINED``); ``None`` where it names no mesh layout (a device, a
+    memory kind or layout alone). Checked like ``in_shardings`` (``to_sharding``); its mesh must give each
+    axis it uses the plan's size."""
     if not isinstance(ns, NamedSharding):
         return None
     sizes = dict(ns.mesh.shape)
     spec = tuple(ns.spec)
-    free = set(params.get("unconstrained_dims") or ())
+    free = set(unconstrained or ())
     free.update(d for d, entry in enumerate(spec) if entry is PartitionSpec.UNCONSTRAINED)
     named = [None if d in free else entry for d, entry in enumerate(spec)]
     for entry in named:

@@ -1040,7 +1040,7 @@ class ProblemBuilder:
         else:
             self.op_node[op.id] = idx
             self.add_operands(idx, rs, interval[0], name, g, op, rule)
-        if op.primitive == "sharding_constraint":
+        if op.primitive in ("sharding_constraint", "device_put"):
             self.pin_constraint(g, op, idx, rs)
         produced_at, ids_at = self.produced_at, self.ids_at
         for r, v in enumerate(op.outputs):
@@ -1053,29 +1053,38 @@ class ProblemBuilder:
                 read_edge(scope, g, x, rs.operand_ids[k], idx, scale)
 
     def pin_constraint(self, g: Graph, op: Op, idx: int, rs: RuleStrategies) -> None:
-        """A ``with_sharding_constraint`` inside the function is a user annotation: its op node (an identity)
-        keeps the strategies whose result is laid out as it asks (dimensions it leaves unconstrained free)."""
-        value = g.values[op.outputs[0]]
+        """A ``with_sharding_constraint`` (or a ``device_put`` onto a ``NamedSharding``) inside the function is a
+        user annotation: its op node (an identity) keeps the strategies whose results are laid out as it asks
+        (dimensions it leaves unconstrained free)."""
+        if op.primitive == "sharding_constraint":
+            asked = [(op.params.get("sharding"), op.params.get("unconstrained_dims"))]
+        else:
+            asked = [(d, ()) for d in op.params.get("devices", ())]
         where = op.where()
-        what = f"with_sharding_constraint at {where}" if where else f"with_sharding_constraint ({op.name()})"
-        found = constraint_sharding(op.params, tuple(value.shape), self.mesh, what)
-        if found is None:
-            return
-        wanted, free = found
-        label = f"{what} = {wanted.to_spec()}"
+        what = (f"{'with_sharding_constraint' if op.primitive == 'sharding_constraint' else 'device_put'}"
+                + (f" at {where}" if where else f" ({op.name()})"))
         sizes = self.mesh.shape
 
         def split(axes: tuple[str, ...]) -> tuple[str, ...]:  # an axis of size 1 splits nothing
             return tuple(a for a in axes if sizes[a] > 1)
 
-        want = [split(axes) for axes in wanted.dims]
-        allowed = tuple(k for k, st in enumerate(rs.strategies)
-                        if not st.results[0].partial
-                        and all(d in free or split(got) == want[d] for d, got in enumerate(st.results[0].dims)))
+        wanted = {}
+        for k, (ns, unconstrained) in enumerate(asked[:len(op.outputs)]):
+            found = constraint_sharding(ns, unconstrained, tuple(g.values[op.outputs[k]].shape), self.mesh, what)
+            if found is not None:
+                wanted[k] = found
+        if not wanted:
+            return
+        label = f"{what} = " + ", ".join(str(s.to_spec()) for s, _ in wanted.values())
+        allowed = tuple(i for i, st in enumerate(rs.strategies)
+                        if all(not st.results[k].partial
+                               and all(d in free or split(got) == split(want)
+                                       for d, (got, want) in enumerate(zip(st.results[k].dims, s.dims)))
+                               for k, (s, free) in wanted.items()))
         if allowed:
             self.pins.append(Pin(idx, allowed, label))
             return
-        mixed = [axes for axes in wanted.dims if axes != self.mesh.order(axes)]
+        mixed = [axes for s, _ in wanted.values() for axes in s.dims if axes != self.mesh.order(axes)]
         if mixed:
             raise ShardsolveError(f"{label}: splits a dimension over {mixed[0]}, out of the mesh's order "
                                   f"{self.mesh.names}; the planner splits a dimension over several axes in mesh "

@@ -187,8 +187,9 @@ def plan(
 
     ``in_shardings``/``out_shardings`` are pytree prefixes of the arguments /
     outputs with ``PartitionSpec`` (pinned) or ``None`` (free) leaves. A
-    ``with_sharding_constraint`` inside ``fun`` pins the value it constrains
-    (its ``PartitionSpec.UNCONSTRAINED`` dimensions stay free); a bare
+    ``with_sharding_constraint`` (or ``device_put`` onto a ``NamedSharding``)
+    inside ``fun`` pins the value it lays out (its
+    ``PartitionSpec.UNCONSTRAINED`` dimensions stay free); a bare
     ``PartitionSpec`` there names ``mesh``'s axes (``trace.trace``).
     ``memory_limit`` is bytes per device (or a string like ``"16GiB"``),
     ``time_limit`` the solver's seconds, for all of this call's solves

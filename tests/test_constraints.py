@@ -1,4 +1,5 @@
-"""``with_sharding_constraint`` inside the planned function: a user annotation, held as a hard constraint.
+"""``with_sharding_constraint`` (and ``device_put`` onto a ``NamedSharding``) inside the planned function: a
+user annotation, held as a hard constraint.
 
 A function that needs a context mesh is traced with the plan's, so a bare
 ``PartitionSpec`` names its axes as it does under ``jax.set_mesh``; the
@@ -96,6 +97,21 @@ def test_a_constraint_inside_a_scan_body_is_held():
     with jax.set_mesh(jax.make_mesh((2, 4), ("data", "model"), axis_types=(AxisType.Auto,) * 2)):
         want = np.asarray(jax.jit(f)(x, w))
     np.testing.assert_allclose(np.asarray(plan.jit()(x, w)), want, rtol=1e-3)
+
+
+def test_a_device_put_onto_named_shardings_inside_the_function_is_held():
+    jmesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
+
+    def f(x, w):
+        h, y = jax.device_put((jnp.tanh(x @ w), x * 2), (NamedSharding(jmesh, P(None, "model")),
+                                                         NamedSharding(jmesh, P(None, "data"))))
+        return h.sum(axis=1) + y.sum(axis=1)
+
+    plan = shardsolve.plan(f, X, W, mesh=MESH, in_shardings=(P("data"), None))
+    (op,) = [op for op in plan.ops if op.primitive == "device_put"]
+    assert list(op.results) == [Sharding.from_spec(P(None, "model"), 2), Sharding.from_spec(P(None, "data"), 2)]
+    x, w = _values((64, 128), (128, 256))
+    np.testing.assert_allclose(np.asarray(plan.jit()(x, w)), np.tanh(x @ w).sum(1) + (x * 2).sum(1), rtol=1e-4)
 
 
 def test_compare_gives_propagation_the_same_constraint():
