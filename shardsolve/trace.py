@@ -219,8 +219,9 @@ def user_line(eqn: Any) -> str:
 
 
 def _auto_only(sharding: Any) -> bool:
-    """Whether ``sharding`` (a ``reshard``'s destination) lies on a mesh of automatic axes alone: with the plan's
-    mesh as context mesh, JAX adds such ``reshard``s (an ``.at[...].add``'s updates) that change nothing."""
+    """Whether ``sharding`` (a type's, a ``reshard``'s destination) lies on a mesh of automatic axes alone: with
+    the plan's mesh as context mesh, JAX adds ``reshard``s onto such (an ``.at[...].add``'s updates) that change
+    nothing."""
     mesh = getattr(sharding, "mesh", None)
     types = getattr(mesh, "axis_types", None)
     return types is not None and all(t == jax.sharding.AxisType.Auto for t in types)
@@ -384,16 +385,16 @@ def trace(fun: Callable, *args: Any, mesh: Any = None) -> Traced:
                 f"{name} is a typed PRNG key array ({leaf.dtype}{list(leaf.shape)}): pass its data instead, "
                 "jax.random.key_data(key), and rebuild the key inside the function with jax.random.wrap_key_data"
             )
-    context = contextlib.nullcontext()
+    needs_mesh = False
     try:
         nested, out_shape = jax.make_jaxpr(fun, return_shape=True)(*abstract)
     except ShardsolveError:
         raise
     except Exception as plain:
-        context = in_mesh(mesh)
-        if isinstance(context, contextlib.nullcontext):  # no mesh to try, or the caller's already set
+        if isinstance(in_mesh(mesh), contextlib.nullcontext):  # no mesh to try, or the caller's already set
             raise ShardsolveError(f"tracing the function failed: {type(plain).__name__}: "
                                   f"{str(plain).splitlines()[0]}") from plain
+        needs_mesh = True
         try:
             with in_mesh(mesh):
                 nested, out_shape = jax.make_jaxpr(fun, return_shape=True)(*abstract)
@@ -412,7 +413,7 @@ def trace(fun: Callable, *args: Any, mesh: Any = None) -> Traced:
     def flat(*flat_args):
         return eval_inlined(nested.jaxpr, nested.consts, *flat_args)
 
-    with context:
+    with in_mesh(mesh) if needs_mesh else contextlib.nullcontext():
         closed = drop_dead_code(merge_duplicates(jax.make_jaxpr(flat)(*leaves)))
     explicit = _explicitly_sharded(closed.jaxpr)
     if explicit:
