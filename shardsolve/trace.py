@@ -44,6 +44,7 @@ class Traced:
     out_tree: Any  # PyTreeDef of the result
     in_avals: tuple  # ShapedArray per flattened input
     out_avals: tuple  # ShapedArray per flattened output
+    needs_mesh: bool = False  # traced only with the plan's mesh as JAX's context mesh (``trace``)
 
 
 def leaf_names(tree_def: Any, prefix: str = "") -> list[str]:
@@ -428,6 +429,7 @@ def trace(fun: Callable, *args: Any, mesh: Any = None) -> Traced:
         out_tree=out_tree,
         in_avals=tuple(v.aval for v in closed.jaxpr.invars),
         out_avals=tuple(v.aval for v in closed.jaxpr.outvars),
+        needs_mesh=needs_mesh,
     )
 
 

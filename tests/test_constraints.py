@@ -162,8 +162,11 @@ def test_tracing_with_the_plan_s_mesh_adds_no_operations():
     def primitives(graph):
         return [(op.primitive, primitives(graph.body(op)) if op.primitive == "scan" else None) for op in graph.ops]
 
-    plain = primitives(Graph.from_traced(trace(program(named), *args)))
-    in_mesh = primitives(Graph.from_traced(trace(program(P("model")), *args, mesh=MeshSpec.parse(MESH))))
+    plain_traced = trace(program(named), *args, mesh=MeshSpec.parse(MESH))
+    mesh_traced = trace(program(P("model")), *args, mesh=MeshSpec.parse(MESH))
+    assert mesh_traced.needs_mesh and not plain_traced.needs_mesh  # the mesh only where the function needs one
+    plain = primitives(Graph.from_traced(plain_traced))
+    in_mesh = primitives(Graph.from_traced(mesh_traced))
     assert in_mesh == plain
     assert "reshard" not in str(plain) and "scatter-add" in str(plain) and "sharding_constraint" in str(plain)
     with pytest.raises(ShardsolveError, match="tracing the function failed: .*mesh"):
