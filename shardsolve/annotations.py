@@ -55,7 +55,8 @@ def broadcast_annotations(prefix: Any, tree_def: Any, what: str) -> list[Any]:
         prefix = tuple(prefix)
     try:
         full = jax.tree.broadcast(prefix, dummy, is_leaf=_is_spec_leaf)
-        leaves = jax.tree_util.tree_leaves(full, is_leaf=_is_spec_leaf)
+        # up to the arguments' own structure: an argument that is None (no leaves) keeps its annotation out
+        leaves = tree_def.flatten_up_to(full)
         if len(leaves) != tree_def.num_leaves:
             raise ValueError(f"{len(leaves)} annotations for {tree_def.num_leaves} leaves")
         return leaves
@@ -84,7 +85,7 @@ def to_sharding(ann: Any, shape: tuple[int, ...], mesh: MeshSpec, what: str) -> 
     # more parts than elements leaves whole devices empty.
     for d, size in enumerate(shape):
         n = s.dim_shards(d, mesh)
-        if n > size:
+        if 0 < size < n:  # (an empty dimension splits into empty parts, as JAX lays it out)
             raise ShardsolveError(
                 f"{what}: {s.to_spec()} splits dimension {d} of size {size} into {n} parts, more than it has "
                 f"elements; use fewer mesh axes on it, or leave it None"

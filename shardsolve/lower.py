@@ -637,10 +637,13 @@ def _walk_emitted(jaxpr, prefix: str, out: list[EmittedCollective]) -> None:
         if kind is not None:
             axes = eqn.params.get("axes", eqn.params.get("axis_name", ()))
             axes = (axes,) if isinstance(axes, str) else tuple(axes)
+            # a positional axis (a psum that vmap made of a named axis it mapped) reduces locally
+            axes = tuple(a for a in axes if not isinstance(a, int))
             sizes = [math.prod(v.aval.shape) * wire_itemsize(v.aval.dtype)
                      for v in list(eqn.invars) + list(eqn.outvars) if hasattr(v.aval, "shape")]
-            out.append(EmittedCollective(kind, tuple(str(a) for a in axes), int(max(sizes, default=0)), where,
-                                         eqn.primitive.name))
+            if axes:
+                    out.append(EmittedCollective(kind, tuple(str(a) for a in axes), int(max(sizes, default=0)), where,
+                                             eqn.primitive.name))
         for param in eqn.params.values():
             for sub in param if isinstance(param, (tuple, list)) else (param,):
                 inner = getattr(sub, "jaxpr", sub)

@@ -228,6 +228,20 @@ def _auto_only(sharding: Any) -> bool:
     return types is not None and all(t == jax.sharding.AxisType.Auto for t in types)
 
 
+def _empty_results(eqn: Any) -> list[Any] | None:
+    """Constants for an equation whose every result has no elements (``jnp.pad(mode="edge")`` slices a row of
+    its operand and broadcasts it to an empty piece), where it has no effects; else None."""
+    import numpy as np
+
+    if not eqn.outvars or eqn.effects or eqn.primitive.name in INLINED:
+        return None
+    avals = [v.aval for v in eqn.outvars]
+    if not all(hasattr(a, "shape") and 0 in a.shape and not jax.dtypes.issubdtype(a.dtype, jax.dtypes.extended)
+               for a in avals):
+        return None
+    return [np.zeros(a.shape, a.dtype) for a in avals]
+
+
 def eval_inlined(jaxpr: Any, consts: Sequence[Any], *args: Any) -> list[Any]:
     """Evaluate an open jaxpr, stepping into nested calls instead of binding them.
 
@@ -254,6 +268,8 @@ def eval_inlined(jaxpr: Any, consts: Sequence[Any], *args: Any) -> list[Any]:
                 outvals = on_data
             elif eqn.primitive.name == "reshard" and _auto_only(eqn.params.get("dst_sharding")):
                 outvals = invals  # a no-op under automatic axes (JAX lowers it to nothing): the value itself
+            elif (empty := _empty_results(eqn)) is not None:
+                outvals = empty  # no elements to compute: what it reads may go dead (``drop_dead_code``)
             else:
                 outvals = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(eqn.params))
                 if not eqn.primitive.multiple_results:

@@ -5,7 +5,9 @@
 
 1. numerics: its outputs against the unsharded function ``fun(*args)``, per
    output leaf (max abs and relative error; relative to the leaf's largest
-   magnitude);
+   magnitude), within a tolerance of the least precise floating type the
+   program computes in (a bfloat16 matmul's gradient summed over devices
+   rounds otherwise than on one device, though it is returned as float32);
 2. three collective inventories, bytes per (kind, mesh axes), never counts:
    *predicted* (``plan.collectives``, the schedule priced), *lowered* (what the
    rewriter wrote: the collectives in the traced program, before XLA) and
@@ -39,6 +41,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from shardsolve.errors import ShardsolveError
@@ -164,7 +167,8 @@ def check_arguments(plan, args: Sequence[Any]) -> list[Any]:
     for (path, x), (shape, dtype) in zip(leaves_with_paths, plan.signature.in_avals):
         name = "args" + jax.tree_util.keystr(path)
         got_shape = tuple(int(d) for d in np.shape(x)) if not hasattr(x, "shape") else tuple(x.shape)
-        got_dtype = str(np.dtype(x.dtype)) if hasattr(x, "dtype") else str(np.asarray(x).dtype)
+        # as JAX takes it: a Python float is float32, a float64 array float32, without jax_enable_x64
+        got_dtype = str(jax.dtypes.canonicalize_dtype(x.dtype if hasattr(x, "dtype") else np.result_type(x)))
         if got_shape != tuple(shape) or got_dtype != dtype:
             raise ShardsolveError(
                 f"argument {name} is {got_dtype}{list(got_shape)} but the plan was made for {dtype}{list(shape)}; "
@@ -177,9 +181,14 @@ def check_arguments(plan, args: Sequence[Any]) -> list[Any]:
 # -- numerics --------------------------------------------------------------------------
 
 
-def _tolerance(dtype: np.dtype, scale: float, rtol: float | None, atol: float | None) -> float:
+def _tolerance(dtype: np.dtype, scale: float, rtol: float | None, atol: float | None,
+               computed_in: np.dtype | None = None) -> float:
+    """Allowed max abs error of an output leaf of ``dtype`` and largest magnitude ``scale``; a floating leaf's
+    defaults follow the least precise of ``dtype`` and ``computed_in`` (the program's least precise float)."""
     if np.issubdtype(dtype, np.integer) or dtype == np.bool_:
         return 0.0
+    if computed_in is not None and jnp.issubdtype(dtype, jnp.floating) and computed_in.itemsize < np.dtype(dtype).itemsize:
+        dtype = computed_in
     if rtol is None:
         rtol = 2e-2 if np.dtype(dtype).itemsize <= 2 else (1e-4 if np.dtype(dtype).itemsize == 4 else 1e-9)
     if atol is None:
@@ -205,7 +214,13 @@ def _errors(got: Any, want: np.ndarray) -> tuple[float, float]:
     return max_abs, max_abs / max(scale, 1e-30) if max_abs else 0.0
 
 
-def _numerics(lowered_out, pinned_out, expected, rtol, atol) -> tuple[LeafCheck, ...]:
+def _least_float(plan) -> np.dtype | None:
+    """The least precise floating type among the values the plan's program computes (None without floats)."""
+    floats = {v.dtype for v in plan.graph.values if jnp.issubdtype(v.dtype, jnp.floating)}  # bfloat16 too
+    return min(floats, key=lambda d: d.itemsize) if floats else None
+
+
+def _numerics(lowered_out, pinned_out, expected, rtol, atol, computed_in=None) -> tuple[LeafCheck, ...]:
     """Per output leaf, the errors of ``lowered_out`` (and ``pinned_out``, unless None) against ``expected``."""
     exp_leaves, exp_paths = _leaves_with_paths(expected)
     low_leaves, _ = _leaves_with_paths(lowered_out)
@@ -219,7 +234,7 @@ def _numerics(lowered_out, pinned_out, expected, rtol, atol) -> tuple[LeafCheck,
         la, lr = _errors(low, want)
         finite = np.abs(want[np.isfinite(want)]).astype(np.float64) if want.size else np.zeros(0)
         scale = float(finite.max()) if finite.size else 0.0
-        tol = _tolerance(want.dtype, scale, rtol, atol)
+        tol = _tolerance(want.dtype, scale, rtol, atol, computed_in)
         pa, pr = _errors(pin, want) if pin is not None else (None, None)
         out.append(LeafCheck(path, tuple(want.shape), str(want.dtype), la, lr, tol, la <= tol,
                              pa, pr, None if pa is None else pa <= tol))
@@ -419,7 +434,8 @@ def verify(plan, *args: Any, rtol: float | None = None, atol: float | None = Non
     numerics: tuple[LeafCheck, ...] = ()
     if not abstract:
         expected = _reference(plan, args)
-        numerics = _numerics(run(*args), pinned_fn(*args) if pinned_fn is not None else None, expected, rtol, atol)
+        numerics = _numerics(run(*args), pinned_fn(*args) if pinned_fn is not None else None, expected, rtol, atol,
+                             _least_float(plan))
 
     return VerifyReport(
         mesh=str(plan.mesh),

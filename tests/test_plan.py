@@ -310,3 +310,79 @@ def test_carry_ties_state_to_its_next_value():
     _close(plan.jit()(params, x), _mlp_step(params, x))
     with pytest.raises(ShardsolveError, match="different pytree structures"):
         shardsolve.plan(_mlp_step, params, x, mesh="data=2,model=4", carry=((1, 0),))
+
+
+def test_arguments_jax_jit_takes_are_taken():
+    """What ``jax.jit`` accepts, planned and verified alike: a Python scalar (float32 as JAX takes it), an argument
+    that is None beside per-argument annotations, an empty dimension beside a pinned one, and a psum over an axis
+    ``vmap`` names (a local reduction, no collective)."""
+    w = jnp.full((16, 16), 0.1)
+    x = jax.random.normal(jax.random.key(0), (8, 16))
+    mesh = "data=2,model=4"
+
+    def scaled(w, x, lr):
+        return x @ w * lr
+
+    plan = shardsolve.plan(scaled, w, x, 0.5, mesh=mesh, in_shardings=(None, P("data"), None))
+    _close(plan.jit()(w, x, 0.5), scaled(w, x, 0.5))
+    assert shardsolve.verify(plan, w, x, 0.5).ok
+
+    def masked(w, x, mask):
+        return x @ w if mask is None else (x @ w) * mask
+
+    plan = shardsolve.plan(masked, w, x, None, mesh=mesh, in_shardings=(None, P("data"), None))
+    assert plan.inputs[1] == Sharding.from_spec(P("data"), 2)
+    _close(plan.jit()(w, x, None), masked(w, x, None))
+
+    def both(x, z):
+        return x * 2, z + 1
+
+    z = jnp.zeros((8, 0))
+    plan = shardsolve.plan(both, x, z, mesh=mesh, in_shardings=(P("data"), P("data")))
+    assert plan.inputs[1] == Sharding.from_spec(P("data"), 2)
+    _close(plan.jit()(x, z)[0], x * 2)
+
+    def centred(w, x):
+        return jax.vmap(lambda r: r - jax.lax.pmean(r, "b"), axis_name="b")(x @ w)
+
+    plan = shardsolve.plan(centred, w, x, mesh=mesh, in_shardings=(None, P("data")))
+    report = shardsolve.verify(plan, w, x)
+    assert report.ok and report.numerics_ok, str(report)
+
+
+@pytest.mark.parametrize("pad", [
+    lambda x: jnp.pad(x, ((0, 0), (1, 1), (0, 0)), mode="edge"),  # slices rows into empty pieces it concatenates
+    lambda x: jax.lax.concatenate([jnp.zeros((0, 16, 8)), x], 0) * 2,
+])
+def test_empty_pieces_keep_the_batch_split(pad):
+    """Concatenating empty pieces along the split batch, or computing them from a row of it, moves nothing (as
+    GSPMD plans it): the pieces have no elements, so the concatenation is its one non-empty operand."""
+    x = jax.random.normal(jax.random.key(0), (64, 16, 8))
+    plan = shardsolve.plan(pad, x, mesh="data=2,model=4", in_shardings=(P("data"),))
+    assert plan.collectives == ()
+    assert plan.outputs[0].dims[0][:1] == ("data",)
+    _close(plan.jit()(x), pad(x))
+
+
+def test_verify_allows_the_rounding_of_the_precision_computed_in():
+    """A float32 gradient of bfloat16 matmuls over a split batch sums rounded bfloat16 partials: ``verify`` judges
+    it at bfloat16's tolerance, the precision the program computes in, not at its float32 output's."""
+    rng = np.random.default_rng(0)
+    w = {"w1": jnp.asarray(rng.standard_normal((32, 64)).astype(np.float32) * 0.1),
+         "w2": jnp.asarray(rng.standard_normal((64, 32)).astype(np.float32) * 0.1)}
+    batch = (jnp.asarray(rng.standard_normal((16, 32)), jnp.float32), jnp.asarray(rng.standard_normal((16, 32)), jnp.float32))
+
+    def grads(p, batch):
+        def loss(p):
+            x, y = batch
+            h = jax.nn.gelu(x.astype(jnp.bfloat16) @ p["w1"].astype(jnp.bfloat16))
+            return jnp.mean(((h @ p["w2"].astype(jnp.bfloat16)).astype(jnp.float32) - y) ** 2)
+        return jax.grad(loss)(p)
+
+    plan = shardsolve.plan(grads, w, batch, mesh="data=2,model=4", in_shardings=(None, (P("data"), P("data"))))
+    report = shardsolve.verify(plan, w, batch)
+    assert report.ok, str(report)
+    assert all(c.tolerance > 1e-3 * float(jnp.abs(grads(w, batch)[k]).max())
+               for c, k in zip(report.numerics, ("w1", "w2")))
+    f32 = shardsolve.plan(_mlp_step, *_mlp_args(), mesh="data=2,model=4", in_shardings=(None, P("data")))
+    assert all(c.tolerance < 1e-3 for c in shardsolve.verify(f32, *_mlp_args()).numerics if c.dtype == "float32")

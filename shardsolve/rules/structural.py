@@ -211,13 +211,17 @@ def rev_rule(op: OpView) -> Rule:
 
 def concatenate_rule(op: OpView) -> Rule:
     # concatenate is linear in all operands together: [A1 + A2, B1 + B2] = [A1, B1] + [A2, B2]
+    # One operand alone non-empty along the axis (``jnp.pad(mode="edge")`` concatenates empty pieces): the result
+    # is that operand, and the axis may be split like any other dimension.
     b = RuleBuilder()
     axis = op.params["dimension"]
     out = op.out_shapes[0]
-    out_f = [b.new(n, replicate=d == axis) for d, n in enumerate(out)]
+    filled = [k for k, shape in enumerate(op.in_shapes) if shape[axis] > 0]
+    out_f = [b.new(n, replicate=d == axis and len(filled) > 1) for d, n in enumerate(out)]
     operands = []
-    for shape in op.in_shapes:
-        operands.append([b.new(n, replicate=True) if d == axis else out_f[d] for d, n in enumerate(shape)])
+    for k, shape in enumerate(op.in_shapes):
+        operands.append([(out_f[d] if filled == [k] else b.new(n, replicate=True)) if d == axis else out_f[d]
+                         for d, n in enumerate(shape)])
     return b.build(operands, [out_f], linear=(tuple(range(len(op.in_shapes))),))
 
 
