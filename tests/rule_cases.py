@@ -167,6 +167,14 @@ CASES: list[Case] = [
         int_range=(-3, 20),
         family="indexing",
     ),
+    *(Case(f"scatter_{kind}", fn, (f32(16, 8), i32(8), f32(8, 8)), prim, int_range=(-3, 20), family="indexing")
+      for kind, fn, prim in (
+          ("set", lambda w, t, u: w.at[t].set(u), "scatter"),
+          ("set_rows", lambda w, t, u: w.at[jnp.arange(16)[:, None], t[None, :] % 8].set(1.0), "scatter"),
+          ("mul", lambda w, t, u: w.at[t].multiply(u), "scatter-mul"),
+          ("max", lambda w, t, u: w.at[t].max(u), "scatter-max"),
+          ("sub", lambda w, t, u: w.at[t].subtract(u), "scatter-sub"),
+      )),
     Case(
         "take_along_axis_grad",
         jax.grad(lambda x, i: _take_along(x, i).sum()),
@@ -175,6 +183,14 @@ CASES: list[Case] = [
         int_range=(-1, 9),
         family="indexing",
     ),
+    # batched linear algebra: a stack of matrices, one factorisation each
+    Case("cholesky", jnp.linalg.cholesky, (f32(8, 4, 4),), "cholesky", family="linalg"),
+    Case("eigh", jnp.linalg.eigh, (f32(8, 4, 4),), "eigh", rtol=1e-3, atol=1e-3, family="linalg"),
+    Case("qr", jnp.linalg.qr, (f32(8, 6, 4),), "qr", rtol=1e-3, atol=1e-3, family="linalg"),
+    Case("svd", jnp.linalg.svd, (f32(8, 4, 6),), "svd", rtol=1e-3, atol=1e-3, family="linalg"),
+    Case("lu", lax.linalg.lu, (f32(8, 4, 4),), "lu", rtol=1e-3, atol=1e-3, family="linalg"),
+    Case("triangular_solve", lambda a, b: lax.linalg.triangular_solve(a, b, left_side=True, lower=True),
+         (f32(8, 4, 4), f32(8, 4, 2)), "triangular_solve", rtol=1e-3, atol=1e-3, family="linalg"),
     # windows: convolutions (NHWC images, HWIO kernels), pools and the max pool's gradient
     Case("conv_same", lambda x, w: _conv(x, w, 1, "SAME"), (f32(8, 4, 4, 8), f32(3, 3, 8, 8)), "conv_general_dilated", family="window"),
     Case("conv_strided", lambda x, w: _conv(x, w, 2, "SAME"), (f32(8, 4, 4, 8), f32(3, 3, 8, 8)), "conv_general_dilated", family="window"),
@@ -182,6 +198,9 @@ CASES: list[Case] = [
     Case("conv_patches", lambda x, w: _conv(x, w, 2, "VALID"), (f32(2, 16, 16, 2), f32(2, 2, 2, 8)), "conv_general_dilated", family="window"),
     Case("conv_input_grad", jax.grad(lambda x, w: _conv(x, w, 2, "SAME").sum()), (f32(8, 4, 4, 8), f32(3, 3, 8, 8)), "conv_general_dilated", index=1, family="window"),
     Case("conv_kernel_grad", jax.grad(lambda w, x: _conv(x, w, 1, "SAME").sum()), (f32(3, 3, 8, 8), f32(8, 4, 4, 8)), "conv_general_dilated", index=1, family="window"),
+    Case("conv_depthwise_kernel_grad",
+         jax.grad(lambda w, x: (_conv(x, w, 1, "SAME", groups=8) ** 2).sum()), (f32(3, 3, 1, 8), f32(8, 4, 4, 8)),
+         "conv_general_dilated", index=1, family="window"),
     Case("conv_grouped", lambda x, w: _conv(x, w, 1, "SAME", groups=4), (f32(8, 4, 4, 16), f32(3, 3, 4, 16)), "conv_general_dilated", family="window"),
     Case("conv_depthwise", lambda x, w: _conv(x, w, 1, "SAME", groups=8), (f32(8, 4, 4, 8), f32(3, 3, 1, 8)), "conv_general_dilated", family="window"),
     Case("conv_uneven", lambda x, w: _conv(x, w, 1, "SAME"), (f32(6, 4, 4, 6), f32(3, 3, 6, 10)), "conv_general_dilated", family="window"),

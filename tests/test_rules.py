@@ -445,6 +445,18 @@ SAMPLE_PROGRAMS = {
     "top_k": (lambda a: lax.top_k(a, 2), (_f32(8, 4),)),
     "gather": (lambda w, t: w[t], (_f32(16, 8), _i32(4))),
     "scatter-add": (lambda w, t, u: w.at[t].add(u), (_f32(16, 8), _i32(4), _f32(4, 8))),
+    "scatter": (lambda w, t, u: w.at[t].set(u), (_f32(16, 8), _i32(4), _f32(4, 8))),
+    "cholesky": (jnp.linalg.cholesky, (_f32(8, 4, 4),)),
+    "eigh": (jnp.linalg.eigh, (_f32(8, 4, 4),)),
+    "qr": (jnp.linalg.qr, (_f32(8, 6, 4),)),
+    "svd": (jnp.linalg.svd, (_f32(8, 4, 6),)),
+    "lu": (lax.linalg.lu, (_f32(8, 4, 4),)),
+    "triangular_solve": (lambda a, b: lax.linalg.triangular_solve(a, b, left_side=True, lower=True),
+                         (_f32(8, 4, 4), _f32(8, 4, 2))),
+    "scatter-sub": (lambda w, t, u: w.at[t].subtract(u), (_f32(16, 8), _i32(4), _f32(4, 8))),
+    "scatter-mul": (lambda w, t, u: w.at[t].multiply(u), (_f32(16, 8), _i32(4), _f32(4, 8))),
+    "scatter-min": (lambda w, t, u: w.at[t].min(u), (_f32(16, 8), _i32(4), _f32(4, 8))),
+    "scatter-max": (lambda w, t, u: w.at[t].max(u), (_f32(16, 8), _i32(4), _f32(4, 8))),
     "optimization_barrier": (lax.optimization_barrier, (_f32(8, 4),)),
     "device_put": (lambda a: jax.device_put(a), (_f32(8, 4),)),
     "conv_general_dilated": (lambda x, w: lax.conv(x, w, (1, 1), "SAME"), (_f32(8, 4, 6, 6), _f32(8, 4, 3, 3))),
@@ -463,6 +475,9 @@ SAMPLE_VIEWS = {
     "expand_dims": lambda: view("expand_dims", [(8, 4)], [(1, 8, 4)], {"dimensions": (0,)}),
     "scatter_add": lambda: op_view(find_equation(*SAMPLE_PROGRAMS["scatter-add"][:1], *SAMPLE_PROGRAMS["scatter-add"][1],
                                                  primitive="scatter-add")),
+    **{f"scatter_{kind}": (lambda kind=kind: op_view(find_equation(
+        *SAMPLE_PROGRAMS[f"scatter-{kind}"][:1], *SAMPLE_PROGRAMS[f"scatter-{kind}"][1], primitive=f"scatter-{kind}")))
+       for kind in ("sub", "mul", "min", "max")},
     "sharding_constraint": lambda: view("sharding_constraint", [(8, 4)], [(8, 4)]),
 }
 
@@ -564,11 +579,23 @@ def test_conv_kernel_gradient_contracts_the_batch():
     assert rule.size(batch) == 16 and batch not in rule.need_replication
 
 
-def test_batch_grouped_conv_falls_back():
-    x, w = jnp.ones((8, 4, 4, 4)), jnp.ones((3, 3, 4, 4))
-    fn = lambda x, w: lax.conv_general_dilated(x, w, (1, 1), "SAME", dimension_numbers=_NHWC,  # noqa: E731
-                                               batch_group_count=2)
-    assert rule_for(op_view(find_equation(fn, x, w, primitive="conv_general_dilated"))) is None
+def test_batch_grouped_conv_splits_its_contraction():
+    """A depthwise convolution's kernel gradient (``batch_group_count``): the forward pass's batch is its
+    contraction (summed over devices, as GSPMD plans it); the groups stay whole. FLOPs as XLA counts them."""
+    x, w = jnp.ones((8, 4, 4, 4)), jnp.ones((3, 3, 1, 4))
+    depthwise = lambda w, x: lax.conv_general_dilated(x, w, (1, 1), "SAME", dimension_numbers=_NHWC,  # noqa: E731
+                                                      feature_group_count=4)
+    grad = jax.grad(lambda w, x: depthwise(w, x).sum())
+    ops = [op_view(e) for e in jax.make_jaxpr(grad)(w, x).jaxpr.eqns if e.primitive.name == "conv_general_dilated"]
+    (op,) = [o for o in ops if o.params["batch_group_count"] > 1]
+    rule = rule_for(op)
+    dn = op.params["dimension_numbers"]
+    (contracted,) = rule.reduction
+    assert rule.operands[0][dn.lhs_spec[1]] == (contracted,) and rule.size(contracted) == 8  # the batch
+    assert all(f in rule.need_replication for f in rule.operands[0][dn.lhs_spec[0]] + rule.results[0][dn.out_spec[1]])
+    compiled = jax.jit(grad).lower(w, x).compile().cost_analysis()
+    compiled = compiled[0] if isinstance(compiled, (list, tuple)) else compiled
+    assert rule.flops <= compiled["flops"]
 
 
 def test_conv_flops_count_only_taps_on_real_input():

@@ -16,9 +16,9 @@ primitive as a fallback.
 Families: ``elementwise`` (pointwise tables, casts, ``select_n``, identities),
 ``structural`` (broadcast, reshape, transpose, slicing, padding, iota),
 ``contraction`` (``dot_general``), ``reduction`` (reductions, scans, sorts),
-``indexing`` (``gather``, ``scatter-add``), ``window`` (convolutions, pools
-and the max pool's gradient). ``local`` runs a rule's strategy on
-local shards for the rewriter.
+``indexing`` (``gather``, the scatters), ``window`` (convolutions, pools
+and the max pool's gradient), ``linalg`` (batched factorisations and solves).
+``local`` runs a rule's strategy on local shards for the rewriter.
 """
 
 from __future__ import annotations
@@ -29,14 +29,14 @@ from typing import Callable
 import numpy as np
 
 from shardsolve.graph import OpView
-from shardsolve.rules import contraction, elementwise, indexing, reduction, structural, window
+from shardsolve.rules import contraction, elementwise, indexing, linalg, reduction, structural, window
 from shardsolve.rules._builder import RuleBuilder, numel
 from shardsolve.rules.base import Rule, Strategy
 
 __all__ = ["RULES", "OpView", "Rule", "Strategy", "fallback_rule", "has_rule", "rule_for"]
 
 RULES: dict[str, Callable[[OpView], Rule | None]] = {}
-for _family in (elementwise, structural, contraction, reduction, indexing, window):
+for _family in (elementwise, structural, contraction, reduction, indexing, window, linalg):
     for _name, _make in _family.RULES.items():
         if _name in RULES:
             raise RuntimeError(f"primitive {_name!r} has rules in two families")

@@ -1,5 +1,6 @@
 """``gather`` and ``scatter-add`` as embedding lookups, their gradients and
-``take_along_axis`` produce them.
+``take_along_axis`` produce them; the other scatters (``.at[...].set``, ``.mul``,
+``.min``, ``.max``, ``.subtract``) alike.
 
 An embedding lookup ``W[tokens]`` with ``W: f32[V=64, D=16]`` and
 ``tokens: i32[B=4, S=8]`` is a gather with indices ``i32[4, 8, 1]``:
@@ -89,6 +90,17 @@ def gather_rule(op: OpView) -> Rule:
 
 
 def scatter_add_rule(op: OpView) -> Rule:
+    return _scatter_rule(op, summed=True)
+
+
+def scatter_rule(op: OpView) -> Rule:
+    """``scatter`` (``.at[...].set``), ``-mul``, ``-min`` and ``-max``: as ``scatter-add`` (``scatter-sub`` is
+    one), but the updates are not summed, so their index batch factors are never split. The operand's indexed
+    and pass-through factors split as there: each device applies the updates that land in its rows."""
+    return _scatter_rule(op, summed=False)
+
+
+def _scatter_rule(op: OpView, summed: bool) -> Rule:
     dn = op.params["dimension_numbers"]
     operand, indices, updates = op.in_shapes
     b = RuleBuilder()
@@ -101,7 +113,7 @@ def scatter_add_rule(op: OpView) -> Rule:
             f = b.new(indices[j])
             in_f[dn.operand_batching_dims[list(dn.scatter_indices_batching_dims).index(j)]] = f
         else:
-            f = b.new(indices[j], reduce=True)
+            f = b.new(indices[j], reduce=True) if summed else b.new(indices[j], replicate=True)
         idx_f.append(f)
         up_f[scatter_positions[j]] = f
     if indices:
@@ -125,8 +137,19 @@ def scatter_add_rule(op: OpView) -> Rule:
             in_f[d] = b.new(n, replicate=True)
             if d in up_of:
                 up_f[up_of[d]] = b.new(window, replicate=True)
-    # scatter-add is linear in operand and updates together: (A1 + A2) + s(U1 + U2) = (A1 + s(U1)) + (A2 + s(U2))
-    return b.build([in_f, idx_f, up_f], [in_f], linear=((0, 2),), flops=numel(updates))
+    # scatter-add (-sub, and a scatter that sets) is linear in operand and updates together:
+    # (A1 + A2) + s(U1 + U2) = (A1 + s(U1)) + (A2 + s(U2)); scatter-mul in the operand alone; -min and -max in none
+    name = op.primitive
+    linear = ((0, 2),) if summed or name == "scatter" else ((0,),) if name in ("scatter-mul", "scatter_mul") else ()
+    return b.build([in_f, idx_f, up_f], [in_f], linear=linear, flops=numel(updates))
 
 
-RULES: dict[str, Callable[[OpView], Rule]] = {"gather": gather_rule, "scatter-add": scatter_add_rule, "scatter_add": scatter_add_rule}
+RULES: dict[str, Callable[[OpView], Rule]] = {
+    "gather": gather_rule,
+    "scatter-add": scatter_add_rule, "scatter_add": scatter_add_rule,
+    "scatter-sub": scatter_add_rule, "scatter_sub": scatter_add_rule,
+    "scatter": scatter_rule,
+    "scatter-mul": scatter_rule, "scatter_mul": scatter_rule,
+    "scatter-min": scatter_rule, "scatter_min": scatter_rule,
+    "scatter-max": scatter_rule, "scatter_max": scatter_rule,
+}

@@ -22,9 +22,10 @@ The others:
 - ``gather`` with a split indexed dimension looks up only the indices in the
   shard's range (shifted by the shard's offset) and writes zeros elsewhere;
   ``FILL_OR_DROP`` fill values are written by one device of the partial group;
-- ``scatter-add`` with a split indexed dimension drops updates outside the
-  shard's rows; when its index batch factors are split, one device of each
-  group keeps the operand and the others start from zeros;
+- ``scatter-add`` (and every other scatter) with a split indexed dimension drops
+  updates outside the shard's rows; when its index batch factors are split
+  (``scatter-add``/``-sub`` only), one device of each group keeps the operand
+  and the others start from zeros;
 - ``conv_general_dilated`` with split groups convolves the local ones
   (``feature_group_count`` from the local shapes).
 
@@ -389,5 +390,7 @@ KERNELS: dict[str, Kernel] = {
     "gather": _gather,
     "scatter-add": _scatter_add,
     "scatter_add": _scatter_add,
+    **{name: _scatter_add for kind in ("sub", "mul", "min", "max") for name in (f"scatter-{kind}", f"scatter_{kind}")},
+    "scatter": _scatter_add,
     "conv_general_dilated": _conv,
 }

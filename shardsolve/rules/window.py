@@ -32,9 +32,11 @@ Grouped convolutions (``feature_group_count = G``) split the input feature
 dimension into ``[g, c]`` and the kernel's output feature dimension into
 ``[g, o]``: ``g`` is shared by input, kernel and result (each device then
 convolves its own groups: ``run_local`` passes the local group count), ``c``
-is the contraction. ``batch_group_count > 1`` (the kernel gradient of a
-grouped convolution) has no rule: its operands are replicated and the op is
-reported as a fallback.
+is the contraction. ``batch_group_count = G`` (the kernel gradient of a
+grouped convolution, where JAX swaps batch and feature dimensions) keeps the
+batch and the output features whole (output feature group ``k`` reads batch
+group ``k``) and splits only the contraction, the forward pass's batch, and
+the spatial dimensions that tile.
 
 ``reduce_window_sum`` is linear (a window's sum of ``A1 + A2`` is the sum of
 the windows' sums); ``reduce_window_max``/``min`` are not. ``select_and_scatter_add``
@@ -106,8 +108,9 @@ def _spatial(b: RuleBuilder, size_in: int, size_out: int, window: int, stride: i
 
 def conv_rule(op: OpView) -> Rule | None:
     p = op.params
-    if p.get("batch_group_count", 1) != 1:
-        return None  # a grouped convolution's kernel gradient: the fallback replicates it
+    batch_groups = int(p.get("batch_group_count", 1))
+    if batch_groups != 1 and int(p.get("feature_group_count", 1)) != 1:
+        return None
     dn = p["dimension_numbers"]
     lhs_spec, rhs_spec, out_spec = dn.lhs_spec, dn.rhs_spec, dn.out_spec
     lhs, rhs, out = op.in_shapes[0], op.in_shapes[1], op.out_shapes[0]
@@ -117,21 +120,31 @@ def conv_rule(op: OpView) -> Rule | None:
     rf: list[list[str]] = [[] for _ in rhs]
     of: list[list[str]] = [[] for _ in out]
 
-    n = b.new(lhs[lhs_spec[0]])
-    lf[lhs_spec[0]] = [n]
-    of[out_spec[0]] = [n]
     per_group_in = rhs[rhs_spec[1]]
     per_group_out = rhs[rhs_spec[0]] // groups
-    if groups == 1:
-        c, o = b.new(per_group_in, reduce=True), b.new(per_group_out)
-        lf[lhs_spec[1]], rf[rhs_spec[1]] = [c], [c]
-        rf[rhs_spec[0]], of[out_spec[1]] = [o], [o]
-    else:
-        g = b.new(groups)
+    if batch_groups != 1:
+        # A grouped convolution's kernel gradient (JAX swaps batch and features): output feature group k reads
+        # the lhs batch group k, so the batch and the output features stay whole; the features (the forward
+        # pass's batch) are the contraction, split like any other.
+        lf[lhs_spec[0]] = [b.new(lhs[lhs_spec[0]], replicate=True)]
+        of[out_spec[0]] = [b.new(out[out_spec[0]], replicate=True)]
         c = b.new(per_group_in, reduce=True)
-        o = b.new(per_group_out)
-        lf[lhs_spec[1]], rf[rhs_spec[1]] = [g, c], [c]
-        rf[rhs_spec[0]], of[out_spec[1]] = [g, o], [g, o]
+        lf[lhs_spec[1]], rf[rhs_spec[1]] = [c], [c]
+        rf[rhs_spec[0]] = [b.new(rhs[rhs_spec[0]], replicate=True)]
+        of[out_spec[1]] = [b.new(out[out_spec[1]], replicate=True)]
+    else:
+        n = b.new(lhs[lhs_spec[0]])
+        lf[lhs_spec[0]], of[out_spec[0]] = [n], [n]
+        if groups == 1:
+            c, o = b.new(per_group_in, reduce=True), b.new(per_group_out)
+            lf[lhs_spec[1]], rf[rhs_spec[1]] = [c], [c]
+            rf[rhs_spec[0]], of[out_spec[1]] = [o], [o]
+        else:
+            g = b.new(groups)
+            c = b.new(per_group_in, reduce=True)
+            o = b.new(per_group_out)
+            lf[lhs_spec[1]], rf[rhs_spec[1]] = [g, c], [c]
+            rf[rhs_spec[0]], of[out_spec[1]] = [g, o], [g, o]
 
     pairs = 1  # (output position, kernel tap) pairs that read a real input element
     strides, padding = p["window_strides"], p["padding"]

@@ -1,0 +1,53 @@
+"""Batched linear algebra: factorisations and solves of a stack of matrices.
+
+``cholesky``, ``eigh``, ``qr``, ``svd``, ``lu`` and ``triangular_solve``
+work on the last two dimensions of their operands, one matrix at a time; the
+leading dimensions are a batch that every operand and result shares. The
+batch factors split freely (each device factorises its own matrices); the
+matrix dimensions are never split. A Cholesky factorisation of
+``f32[64, 16, 16]``:
+
+    ([i, j, k])->([i, l, m]) {i=64, j=16, k=16, l=16, m=16} need_replication={j, k, l, m}
+
+``eigh`` returns vectors ``[..., n, n]`` and values ``[..., n]``, ``svd``
+values and two matrices, ``lu`` the factors and two index vectors
+``[..., m]``: every result starts with the operand's batch dimensions, the
+rest stays whole. None is linear. FLOPs are priced as ``n**3`` per matrix
+(``n`` its largest matrix dimension), a dense factorisation's order.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from shardsolve.graph import OpView
+from shardsolve.rules._builder import RuleBuilder
+from shardsolve.rules.base import Rule
+
+
+def batched_rule(op: OpView) -> Rule | None:
+    """The shared batch of a batched matrix operation (None where the shapes do not share one)."""
+    first = op.in_shapes[0]
+    if len(first) < 2:
+        return None
+    batch = first[:-2]
+    shapes = list(op.in_shapes) + list(op.out_shapes)
+    if any(tuple(s[:len(batch)]) != tuple(batch) for s in shapes):
+        return None
+    b = RuleBuilder()
+    batch_f = [b.new(n) for n in batch]
+
+    def dims(shape):
+        return batch_f + [b.new(n, replicate=True) for n in shape[len(batch):]]
+
+    operands = [dims(s) for s in op.in_shapes]
+    results = [dims(s) for s in op.out_shapes]
+    matrices = 1
+    for n in batch:
+        matrices *= n
+    return b.build(operands, results, flops=float(matrices) * float(max(first[-2:])) ** 3)
+
+
+RULES: dict[str, Callable[[OpView], Rule | None]] = {
+    name: batched_rule for name in ("cholesky", "eigh", "qr", "svd", "lu", "triangular_solve")
+}
