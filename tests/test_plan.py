@@ -386,3 +386,30 @@ def test_verify_allows_the_rounding_of_the_precision_computed_in():
                for c, k in zip(report.numerics, ("w1", "w2")))
     f32 = shardsolve.plan(_mlp_step, *_mlp_args(), mesh="data=2,model=4", in_shardings=(None, P("data")))
     assert all(c.tolerance < 1e-3 for c in shardsolve.verify(f32, *_mlp_args()).numerics if c.dtype == "float32")
+
+
+def test_a_cache_split_over_the_sequence_is_updated_where_it_lies():
+    """A decode step whose KV cache is pinned split over the sequence (``P("data", "model")``), updated at a traced
+    position: each device writes the new entry where it lands in its stretch, nothing of the cache's size moves
+    (only the attention's small reductions), and the results match."""
+    B, T, H, D, d = 4, 32, 2, 8, 16
+    rng = np.random.default_rng(0)
+    params = {n: jnp.asarray(rng.standard_normal((d, H * D)), jnp.float32) * 0.1 for n in ("wq", "wk", "wv")}
+    cache = {n: jnp.asarray(rng.standard_normal((B, T, H, D)), jnp.float32) for n in ("k", "v")}
+    x = jnp.asarray(rng.standard_normal((B, d)), jnp.float32)
+
+    def step(p, cache, x, pos):
+        q = (x @ p["wq"]).reshape(B, H, D)
+        kc = jax.lax.dynamic_update_slice(cache["k"], (x @ p["wk"]).reshape(B, 1, H, D), (0, pos, 0, 0))
+        vc = jax.lax.dynamic_update_slice(cache["v"], (x @ p["wv"]).reshape(B, 1, H, D), (0, pos, 0, 0))
+        s = jnp.where(jnp.arange(T) <= pos, jnp.einsum("bhd,bthd->bht", q, kc), -1e9)
+        return jnp.einsum("bht,bthd->bhd", jax.nn.softmax(s, -1), vc), {"k": kc, "v": vc}
+
+    pos = jnp.int32(13)
+    plan = shardsolve.plan(step, params, cache, x, pos, mesh="data=2,model=4", carry=((1, 1),),
+                           in_shardings=(None, P("data", "model"), P("data"), None))
+    assert plan.inputs[3] == Sharding.from_spec(P("data", "model"), 4)  # the cache as pinned
+    cache_bytes = B * T * H * D * 4 // 8
+    assert all(c.bytes < cache_bytes for c in plan.collectives), [(c.kind, c.bytes) for c in plan.collectives]
+    _close(plan.jit()(params, cache, x, pos), step(params, cache, x, pos))
+    _close(plan.jit()(params, cache, x, jnp.int32(31)), step(params, cache, x, jnp.int32(31)))

@@ -16,9 +16,13 @@ The others:
 - ``iota`` adds the shard's offset along a split ``dimension``; ``iota_2x32_shape``
   (the PRNG's counters) computes its elements' global flat indices;
 - ``slice``/``dynamic_slice`` take the whole local extent of passed-through dims;
+  ``dynamic_slice`` along a split dimension its window is narrower than reads
+  the window's elements this device holds and zeros elsewhere (a partial sum);
 - ``dynamic_update_slice`` writes in place unless another operation reads
   its operand's buffer (``in_place=False``): then it selects the update,
-  placed in a fresh buffer, over the operand;
+  placed in a fresh buffer, over the operand; along a split dimension the
+  update is narrower than, each device selects the update's elements that
+  land in its stretch;
 - ``gather`` with a split indexed dimension looks up only the indices in the
   shard's range (shifted by the shard's offset) and writes zeros elsewhere;
   ``FILL_OR_DROP`` fill values are written by one device of the partial group;
@@ -235,8 +239,53 @@ def _slice(call: LocalCall, operands: list) -> list:
     return call.bind(operands, limit_indices=tuple(limits))
 
 
+def _windowed_split(call: LocalCall) -> list[int]:
+    """The dimensions a ``dynamic_slice``/``dynamic_update_slice`` window (or update) is narrower than, which
+    its operand's strategy splits."""
+    op = call.op
+    shape = op.in_shapes[0]
+    window = op.params["slice_sizes"] if op.primitive == "dynamic_slice" else op.in_shapes[1]
+    dims = call.strategy.operands[0].dims
+    return [d for d in range(len(shape)) if dims[d] and window[d] < shape[d]]
+
+
+def _stretch(call: LocalCall, d: int, start: Any, width: int, local: int):
+    """Along split dimension ``d`` of the operand: the start of the window of ``width`` (clamped as JAX clamps
+    it) and the position of this device's stretch of ``local`` elements."""
+    import jax.numpy as jnp
+
+    n = call.op.in_shapes[0][d]
+    start = jnp.clip(start.astype(jnp.int32), 0, n - width)
+    offset = call.shard_index(call.strategy.operands[0].dims[d]) * local
+    return start, offset
+
+
+def _along(mask: Any, d: int, ndim: int):
+    """A 1-D ``mask`` shaped to broadcast along dimension ``d`` of an array of ``ndim`` dimensions."""
+    return mask.reshape(tuple(-1 if k == d else 1 for k in range(ndim)))
+
+
 def _dynamic_slice(call: LocalCall, operands: list) -> list:
-    return call.bind(operands, slice_sizes=call.out_local_shape())
+    """Split dimensions narrower than the window: the window's elements this device holds, zeros elsewhere
+    (the rule's partial sum); the others sliced as usual."""
+    split = _windowed_split(call)
+    if not split:
+        return call.bind(operands, slice_sizes=call.out_local_shape())
+    import jax.numpy as jnp
+    from jax import lax
+
+    operand, *starts = operands
+    sizes = call.op.params["slice_sizes"]
+    x = operand
+    for d in split:
+        local = operand.shape[d]
+        start, offset = _stretch(call, d, starts[d], sizes[d], local)
+        at = start + jnp.arange(sizes[d], dtype=jnp.int32) - offset
+        held = (at >= 0) & (at < local)
+        x = jnp.take(x, jnp.clip(at, 0, local - 1), axis=d)
+        x = jnp.where(_along(held, d, x.ndim), x, jnp.zeros((), x.dtype))
+    rest = [jnp.zeros((), s.dtype) if d in split else s for d, s in enumerate(starts)]
+    return [lax.dynamic_slice(x, rest, call.out_local_shape())]
 
 
 def _dynamic_update_slice(call: LocalCall, operands: list) -> list:
@@ -249,6 +298,9 @@ def _dynamic_update_slice(call: LocalCall, operands: list) -> list:
     fresh buffers and selecting leaves ``u`` read-only, with the same clamped
     start indices.
     """
+    split = _windowed_split(call)
+    if split:
+        return [_update_split(call, operands, split)]
     if call.in_place:
         return call.bind(operands)
     import jax.numpy as jnp
@@ -258,6 +310,29 @@ def _dynamic_update_slice(call: LocalCall, operands: list) -> list:
     inside = lax.dynamic_update_slice(jnp.zeros(operand.shape, bool), jnp.ones(update.shape, bool), starts)
     placed = lax.dynamic_update_slice(jnp.zeros(operand.shape, operand.dtype), update, starts)
     return [jnp.where(inside, placed, operand)]
+
+
+def _update_split(call: LocalCall, operands: list, split: list[int]):
+    """``dynamic_update_slice`` into an operand split along dimensions the update is narrower than: along each,
+    the update's elements for this device's positions (taken where the update covers them), then placed along
+    the other dimensions as usual and selected over the operand."""
+    import jax.numpy as jnp
+    from jax import lax
+
+    operand, update, *starts = operands
+    widths = call.op.in_shapes[1]
+    covered = jnp.ones((), bool)
+    for d in split:
+        local = operand.shape[d]
+        start, offset = _stretch(call, d, starts[d], widths[d], local)
+        at = offset + jnp.arange(local, dtype=jnp.int32) - start
+        inside = (at >= 0) & (at < widths[d])
+        update = jnp.take(update, jnp.clip(at, 0, widths[d] - 1), axis=d)
+        covered = covered & _along(inside, d, operand.ndim)
+    rest = [jnp.zeros((), s.dtype) if d in split else s for d, s in enumerate(starts)]
+    placed = lax.dynamic_update_slice(jnp.zeros(operand.shape, operand.dtype), update, rest)
+    inside = lax.dynamic_update_slice(jnp.zeros(operand.shape, bool), jnp.broadcast_to(covered, update.shape), rest)
+    return jnp.where(inside, placed, operand)
 
 
 def _mode_name(mode: Any) -> str:

@@ -258,17 +258,29 @@ def unstack_rule(op: OpView) -> Rule:
 
 def dynamic_slice_rule(op: OpView) -> Rule:
     # dynamic_slice is linear in the operand: (A1 + A2)[i:] = A1[i:] + A2[i:]
+    # A window narrower than its dimension is a masked lookup there (as gather's indexed dimensions): a device
+    # holding a stretch of it reads the window's elements in its stretch and zeros elsewhere, a partial sum.
     b = RuleBuilder()
-    shape = op.in_shapes[0]
+    shape, out = op.in_shapes[0], op.out_shapes[0]
     sizes = op.params["slice_sizes"]
-    keep = [sizes[d] == shape[d] for d in range(len(shape))]
-    in_f, out_f = _same_or_replicated(b, shape, op.out_shapes[0], keep)
+    maskable = not (op.out_dtypes and str(op.out_dtypes[0]) == "bool")
+    in_f, out_f = [], []
+    for d, n in enumerate(shape):
+        if sizes[d] == n:
+            f = b.new(n)
+            in_f.append(f)
+            out_f.append(f)
+        else:
+            in_f.append(b.new(n, reduce=True) if maskable else b.new(n, replicate=True))
+            out_f.append(b.new(out[d], replicate=True))
     indices = [[] for _ in op.in_shapes[1:]]
     return b.build([in_f, *indices], [out_f], linear=LINEAR0)
 
 
 def dynamic_update_slice_rule(op: OpView) -> Rule:
     # dynamic_update_slice is linear in operand and update together: (A1 + A2)[i:] <- (U1 + U2) is the sum of both updates
+    # Where the update is narrower than its dimension, the operand may still be split there (a cache over the
+    # sequence): each device writes the update's elements that land in its stretch (``local``).
     b = RuleBuilder()
     shape, update = op.in_shapes[0], op.in_shapes[1]
     in_f, up_f = [], []
@@ -278,7 +290,7 @@ def dynamic_update_slice_rule(op: OpView) -> Rule:
             in_f.append(f)
             up_f.append(f)
         else:
-            in_f.append(b.new(n, replicate=True))
+            in_f.append(b.new(n))
             up_f.append(b.new(update[d], replicate=True))
     indices = [[] for _ in op.in_shapes[2:]]
     return b.build([in_f, up_f, *indices], [in_f], linear=((0, 1),))
