@@ -17,6 +17,8 @@ annotation or anything the planner was tuned on:
 * ``bf16_mlp``: float32 parameters, the matmuls in bfloat16 (mixed precision);
 * ``adam_mlp``: an MLP trained by Adam, its two moments carried as state;
 * ``cnn2d``: 2-D convolutions with max pooling (``reduce_window``);
+* ``mobilenet``: depthwise-separable convolutions (``feature_group_count``; their
+  kernel gradients are batch-grouped convolutions);
 * ``moe_top2``: a top-2 router (``lax.top_k``) over experts written with ``einsum``;
 * ``segment_bag``: bags of embeddings summed by ``jax.ops.segment_sum``;
 * ``gnn``: message passing, node features gathered at both ends of every edge
@@ -251,6 +253,29 @@ def cnn2d(size: str):
     return sgd(loss), (params, data), (None, BATCH)
 
 
+def mobilenet(size: str):
+    """Depthwise-separable blocks (MobileNet): a 3x3 convolution per channel (``feature_group_count``), whose
+    kernel gradient is a batch-grouped convolution, then a 1x1 convolution mixing the channels."""
+    batch, side, width, blocks, classes = (128, 56, 128, 4, 1000) if size == "large" else (8, 8, 8, 2, 10)
+    dn = ("NHWC", "HWIO", "NHWC")
+    params = {"stem": S((3, 3, 3, width), f32), "head": S((width, classes), f32),
+              "blocks": [{"depthwise": S((3, 3, 1, width), f32), "pointwise": S((1, 1, width, width), f32)}
+                         for _ in range(blocks)]}
+    data = (S((batch, side, side, 3), f32), S((batch,), jnp.int32))
+
+    def loss(p, data):
+        x, y = data
+        x = jax.nn.relu(lax.conv_general_dilated(x, p["stem"], (2, 2), "SAME", dimension_numbers=dn))
+        for blk in p["blocks"]:
+            h = lax.conv_general_dilated(x, blk["depthwise"], (1, 1), "SAME", dimension_numbers=dn,
+                                         feature_group_count=width)
+            x = x + jax.nn.relu(lax.conv_general_dilated(jax.nn.relu(h), blk["pointwise"], (1, 1), "SAME",
+                                                         dimension_numbers=dn))
+        return cross_entropy(x.mean((1, 2)) @ p["head"], y)
+
+    return sgd(loss), (params, data), (None, BATCH)
+
+
 def moe_top2(size: str):
     """Tokens routed to their top two experts (``lax.top_k``); every expert computed, the two kept by weight."""
     tokens, d, experts, hidden = (8192, 1024, 8, 1024) if size == "large" else (32, 16, 4, 32)
@@ -330,4 +355,4 @@ def constrained_lm(size: str):
 PROGRAMS: dict[str, Callable] = {"vit": vit, "gru": gru, "mixer": mixer, "twotower": twotower, "conv1d": conv1d,
                                  "remat_lm": remat_lm, "bf16_mlp": bf16_mlp, "adam_mlp": adam_mlp, "cnn2d": cnn2d,
                                  "moe_top2": moe_top2, "segment_bag": segment_bag, "gnn": gnn,
-                                 "constrained_lm": constrained_lm}
+                                 "constrained_lm": constrained_lm, "mobilenet": mobilenet}

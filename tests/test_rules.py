@@ -594,9 +594,10 @@ def test_batch_grouped_conv_splits_its_contraction():
     (contracted,) = rule.reduction
     assert rule.operands[0][dn.lhs_spec[1]] == (contracted,) and rule.size(contracted) == 8  # the batch
     assert all(f in rule.need_replication for f in rule.operands[0][dn.lhs_spec[0]] + rule.results[0][dn.out_spec[1]])
-    compiled = jax.jit(grad).lower(w, x).compile().cost_analysis()
+    alone = jax.jit(lambda a, b: lax.conv_general_dilated_p.bind(a, b, **op.params))
+    compiled = alone.lower(jnp.ones(op.in_shapes[0]), jnp.ones(op.in_shapes[1])).compile().cost_analysis()
     compiled = compiled[0] if isinstance(compiled, (list, tuple)) else compiled
-    assert rule.flops <= compiled["flops"]
+    assert rule.flops == pytest.approx(compiled["flops"], rel=0.02)  # the groups expanded, as XLA's CPU runs them
 
 
 def test_conv_flops_count_only_taps_on_real_input():

@@ -157,6 +157,9 @@ def conv_rule(op: OpView) -> Rule | None:
         rf[dr] = [shared] if shared is not None else [b.new(window, replicate=True)]
         pairs *= window_pairs(lhs[dl], out[do], window, strides[s], padding[s], lhs_dilation[s], rhs_dilation[s])
     flops = 2.0 * out[out_spec[0]] * out[out_spec[1]] * per_group_in * pairs
+    # XLA's CPU pipeline expands batch groups into one convolution over them all, masked per group: the compiled
+    # program computes (and its cost analysis counts) ``batch_group_count`` times the grouped work
+    flops *= batch_groups
     # a convolution is linear in each operand alone: (X1 + X2) * W = X1 * W + X2 * W
     return b.build([lf, rf], [of], linear=((0,), (1,)), flops=flops)
 
