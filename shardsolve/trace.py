@@ -268,6 +268,11 @@ def eval_inlined(jaxpr: Any, consts: Sequence[Any], *args: Any) -> list[Any]:
                 outvals = on_data
             elif eqn.primitive.name == "reshard" and _auto_only(eqn.params.get("dst_sharding")):
                 outvals = invals  # a no-op under automatic axes (JAX lowers it to nothing): the value itself
+            elif eqn.primitive.name == "reshape" and eqn.params.get("dimensions") is not None:
+                # a transpose, then the reshape (a grouped convolution's kernel gradient): two ops with rules
+                x = jax.lax.transpose(invals[0], tuple(eqn.params["dimensions"]))
+                params = eqn.primitive.get_bind_params({**eqn.params, "dimensions": None})
+                outvals = [eqn.primitive.bind(x, **params)]
             elif (empty := _empty_results(eqn)) is not None:
                 outvals = empty  # no elements to compute: what it reads may go dead (``drop_dead_code``)
             else:

@@ -413,3 +413,16 @@ def test_a_cache_split_over_the_sequence_is_updated_where_it_lies():
     assert all(c.bytes < cache_bytes for c in plan.collectives), [(c.kind, c.bytes) for c in plan.collectives]
     _close(plan.jit()(params, cache, x, pos), step(params, cache, x, pos))
     _close(plan.jit()(params, cache, x, jnp.int32(31)), step(params, cache, x, jnp.int32(31)))
+
+
+def test_a_reshape_with_dimensions_is_planned_as_transpose_then_reshape():
+    """``lax.reshape(x, sizes, dimensions)`` (a grouped convolution's kernel gradient has one) transposes first:
+    traced as the two operations, each with its rule, rather than a fallback."""
+    x = jax.random.normal(jax.random.key(0), (8, 4, 6))
+
+    def f(x):
+        return jax.lax.reshape(x, (6, 32), dimensions=(2, 0, 1)) * 2
+
+    plan = shardsolve.plan(f, x, mesh="data=2,model=4", in_shardings=(P("data"),))
+    assert not plan.fallbacks
+    _close(plan.jit()(x), f(x))
