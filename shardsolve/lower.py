@@ -642,7 +642,7 @@ def _walk_emitted(jaxpr, prefix: str, out: list[EmittedCollective]) -> None:
             sizes = [math.prod(v.aval.shape) * wire_itemsize(v.aval.dtype)
                      for v in list(eqn.invars) + list(eqn.outvars) if hasattr(v.aval, "shape")]
             if axes:
-                    out.append(EmittedCollective(kind, tuple(str(a) for a in axes), int(max(sizes, default=0)), where,
+                out.append(EmittedCollective(kind, tuple(str(a) for a in axes), int(max(sizes, default=0)), where,
                                              eqn.primitive.name))
         for param in eqn.params.values():
             for sub in param if isinstance(param, (tuple, list)) else (param,):

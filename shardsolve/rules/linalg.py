@@ -18,6 +18,7 @@ rest stays whole. None is linear. FLOPs are priced as ``n**3`` per matrix
 
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 from shardsolve.graph import OpView
@@ -42,10 +43,7 @@ def batched_rule(op: OpView) -> Rule | None:
 
     operands = [dims(s) for s in op.in_shapes]
     results = [dims(s) for s in op.out_shapes]
-    matrices = 1
-    for n in batch:
-        matrices *= n
-    return b.build(operands, results, flops=float(matrices) * float(max(first[-2:])) ** 3)
+    return b.build(operands, results, flops=float(math.prod(batch)) * float(max(first[-2:])) ** 3)
 
 
 RULES: dict[str, Callable[[OpView], Rule | None]] = {
