@@ -14,6 +14,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax._src.lax import linalg as _lax_linalg
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +68,7 @@ CASES: list[Case] = [
     # elementwise
     Case("add", lambda a, b: a + b, (f32(8, 4), f32(8, 4)), "add", family="elementwise"),
     Case("add_literal", lambda a: a + 1.0, (f32(8, 4),), "add", family="elementwise"),
+    Case("zeta", lambda a: jax.scipy.special.zeta(a * a + 2, a * a + 1), (f32(8, 4),), "zeta", rtol=1e-3, family="elementwise"),
     Case("mul_scalar_operand", lambda a, s: a * s, (f32(8, 4), f32()), "mul", family="elementwise"),
     Case("mul_size1_broadcast", lambda a, s: lax.mul(a, s), (f32(8, 4), f32(1, 1)), "mul", family="elementwise"),
     Case("sub_scalars", lambda a, b: a - b, (f32(), f32()), "sub", family="elementwise"),
@@ -135,6 +137,8 @@ CASES: list[Case] = [
     Case("reduce_sum", lambda a: a.sum(1), (f32(8, 8),), "reduce_sum", family="reduction"),
     Case("reduce_sum_all", lambda a: a.sum(), (f32(8, 4),), "reduce_sum", family="reduction"),
     Case("reduce_max", lambda a: a.max(0), (f32(8, 4),), "reduce_max", family="reduction"),
+    Case("reduce_general", lambda a, b: lax.reduce((a, b), (0.0, -jnp.inf), lambda x, y: (x[0] + y[0], jnp.maximum(x[1], y[1])),
+                                                   (1,)), (f32(8, 4), f32(8, 4)), "reduce", family="reduction"),
     Case("reduce_min", lambda a: a.min(1), (f32(4, 8),), "reduce_min", family="reduction"),
     Case("argmax", lambda a: jnp.argmax(a, 1), (f32(8, 4),), "argmax", family="reduction"),
     Case("cumsum", lambda a: jnp.cumsum(a, 1), (f32(8, 4),), "cumsum", family="reduction"),
@@ -202,6 +206,13 @@ CASES: list[Case] = [
     Case("lu", lax.linalg.lu, (f32(8, 4, 4),), "lu", rtol=1e-3, atol=1e-3, family="linalg"),
     Case("triangular_solve", lambda a, b: lax.linalg.triangular_solve(a, b, left_side=True, lower=True),
          (f32(8, 4, 4), f32(8, 4, 2)), "triangular_solve", rtol=1e-3, atol=1e-3, family="linalg"),
+    *(Case(name, fn, (f32(8, 4, 4),), name, rtol=1e-3, atol=1e-3, family="linalg") for name, fn in (
+        ("eig", lambda a: lax.linalg.eig(a, compute_left_eigenvectors=False, compute_right_eigenvectors=False)),
+        ("hessenberg", lambda a: _lax_linalg.hessenberg(a)),
+        ("geqrf", lambda a: _lax_linalg.geqrf(a)),
+        ("householder_product", lambda a: _lax_linalg.householder_product(a, a[..., 0])),
+        ("tridiagonal_solve", lambda a: _lax_linalg.tridiagonal_solve(a[..., 0], a[..., 1], a[..., 2] + 4, a)),
+    )),
     # windows: convolutions (NHWC images, HWIO kernels), pools and the max pool's gradient
     Case("conv_same", lambda x, w: _conv(x, w, 1, "SAME"), (f32(8, 4, 4, 8), f32(3, 3, 8, 8)), "conv_general_dilated", family="window"),
     Case("conv_strided", lambda x, w: _conv(x, w, 2, "SAME"), (f32(8, 4, 4, 8), f32(3, 3, 8, 8)), "conv_general_dilated", family="window"),

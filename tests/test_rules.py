@@ -393,6 +393,23 @@ _BINARY_INT = {"shift_left": lax.shift_left, "shift_right_logical": lax.shift_ri
 _UNARY_INT = {"population_count": lax.population_count, "clz": lax.clz, "not": lax.bitwise_not}
 
 # One program per registered primitive whose jaxpr holds an equation of it.
+from jax._src.lax import linalg as _lax_linalg  # noqa: E402  (the parts jax.lax.linalg binds)
+
+# ``jax.lax.linalg``'s parts and relatives on a stack of 4x4 matrices (each binds its own primitive)
+LINALG_PARTS = {
+    "eig": lambda a: lax.linalg.eig(a, compute_left_eigenvectors=False),
+    "schur": lambda a: _lax_linalg.schur(a),
+    "hessenberg": lambda a: _lax_linalg.hessenberg(a),
+    "tridiagonal": lambda a: _lax_linalg.tridiagonal(a),
+    "geqrf": lambda a: _lax_linalg.geqrf(a),
+    "geqp3": lambda a: _lax_linalg.geqp3(a, jnp.zeros(a.shape[:-1], jnp.int32)),
+    "householder_product": lambda a: _lax_linalg.householder_product(a, a[..., 0]),
+    "ormqr": lambda a: _lax_linalg.ormqr(a, a[..., 0], a),
+    "symmetric_product": lambda a: _lax_linalg.symmetric_product(a, a),
+    "tridiagonal_solve": lambda a: _lax_linalg.tridiagonal_solve(a[..., 0], a[..., 1], a[..., 2], a),
+    "lu_pivots_to_permutation": lambda a: _lax_linalg.lu_pivots_to_permutation(
+        jnp.zeros(a.shape[:-1], jnp.int32), a.shape[-1]),
+}
 SAMPLE_PROGRAMS = {
     **{n: (getattr(lax, n), (_f32(8, 4),)) for n in _UNARY_FLOAT},
     **{n: (getattr(lax, n), (_f32(8, 4), _f32(8, 4))) for n in _BINARY_FLOAT},
@@ -454,6 +471,13 @@ SAMPLE_PROGRAMS = {
     "lu": (lax.linalg.lu, (_f32(8, 4, 4),)),
     "triangular_solve": (lambda a, b: lax.linalg.triangular_solve(a, b, left_side=True, lower=True),
                          (_f32(8, 4, 4), _f32(8, 4, 2))),
+    **{name: (fn, (_f32(8, 4, 4),)) for name, fn in LINALG_PARTS.items()},
+    "reduce": (lambda a: lax.reduce((a, a), (0.0, 0.0), lambda x, y: (x[0] + y[0], jnp.maximum(x[1], y[1])), (1,)),
+               (_f32(8, 4),)),
+    "polygamma": (lambda a: jax.scipy.special.polygamma(1, a), (_f32(8, 4),)),
+    "zeta": (lambda a: jax.scipy.special.zeta(a + 2, a), (_f32(8, 4),)),
+    "regularized_incomplete_beta": (lambda a: jax.scipy.special.betainc(a, a, a), (_f32(8, 4),)),
+    "igamma_grad_a": (jax.grad(lambda a: jax.scipy.special.gammainc(a, a).sum()), (_f32(8, 4),)),
     "scatter-sub": (lambda w, t, u: w.at[t].subtract(u), (_f32(16, 8), _i32(4), _f32(4, 8))),
     "scatter-mul": (lambda w, t, u: w.at[t].multiply(u), (_f32(16, 8), _i32(4), _f32(4, 8))),
     "scatter-min": (lambda w, t, u: w.at[t].min(u), (_f32(16, 8), _i32(4), _f32(4, 8))),

@@ -123,6 +123,10 @@ POINTWISE: dict[str, tuple[Linear, float]] = {
     "igammac": (NONE, TRANSCENDENTAL),
     "bessel_i0e": (NONE, TRANSCENDENTAL),
     "bessel_i1e": (NONE, TRANSCENDENTAL),
+    "igamma_grad_a": (NONE, TRANSCENDENTAL),
+    "polygamma": (NONE, TRANSCENDENTAL),
+    "zeta": (NONE, TRANSCENDENTAL),
+    "regularized_incomplete_beta": (NONE, TRANSCENDENTAL),
 }
 
 

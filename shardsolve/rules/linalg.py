@@ -1,7 +1,9 @@
 """Batched linear algebra: factorisations and solves of a stack of matrices.
 
-``cholesky``, ``eigh``, ``qr``, ``svd``, ``lu`` and ``triangular_solve``
-work on the last two dimensions of their operands, one matrix at a time; the
+``cholesky``, ``eigh``, ``qr``, ``svd``, ``lu`` and ``triangular_solve`` (and
+the parts and relatives ``jax.lax.linalg`` binds: ``geqrf``, ``householder_product``,
+``eig``, ``schur``, ...) work on the last dimensions of their operands, one matrix
+(or vector) at a time; the
 leading dimensions are a batch that every operand and result shares. The
 batch factors split freely (each device factorises its own matrices); the
 matrix dimensions are never split. A Cholesky factorisation of
@@ -47,5 +49,10 @@ def batched_rule(op: OpView) -> Rule | None:
 
 
 RULES: dict[str, Callable[[OpView], Rule | None]] = {
-    name: batched_rule for name in ("cholesky", "eigh", "qr", "svd", "lu", "triangular_solve")
+    name: batched_rule for name in (
+        "cholesky", "eigh", "qr", "svd", "lu", "triangular_solve",
+        # their parts and relatives, as ``jax.lax.linalg`` binds them
+        "eig", "schur", "hessenberg", "tridiagonal", "tridiagonal_solve", "geqrf", "geqp3", "householder_product",
+        "ormqr", "symmetric_product", "lu_pivots_to_permutation",
+    )
 }

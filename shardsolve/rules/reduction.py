@@ -57,6 +57,20 @@ def replicated_reduce_rule(op: OpView) -> Rule:
     return _reduce(op, combine=None, linear=False)
 
 
+def general_reduce_rule(op: OpView) -> Rule:
+    """``lax.reduce`` with a computation of its own (over several operands, say a value and its index): the
+    dimensions it keeps split freely and are shared by every operand and result; the reduced ones stay whole
+    (the computation is not known to combine partial results)."""
+    b = RuleBuilder()
+    shape = op.in_shapes[0]
+    reduced = set(op.params["dimensions"])
+    arrays = len(op.out_shapes)  # the operands, then one scalar initial value each
+    in_f = [b.new(n, replicate=d in reduced) for d, n in enumerate(shape)]
+    out_f = [f for d, f in enumerate(in_f) if d not in reduced]
+    return b.build([in_f] * arrays + [[]] * (len(op.in_shapes) - arrays), [out_f] * arrays,
+                   flops=numel(shape) * arrays)
+
+
 #: FLOPs of one combining step of a cumulative op (``logaddexp``: a max, a difference, an exp, a log1p, ...).
 SCAN_COMBINE_FLOPS = {"cumlogsumexp": 8}
 
@@ -121,4 +135,5 @@ RULES["cumsum"] = cumsum_rule
 for _name in ("cumprod", "cummax", "cummin", "cumlogsumexp"):
     RULES[_name] = lambda op: scan_rule(op, linear=False)
 RULES["sort"] = sort_rule
+RULES["reduce"] = general_reduce_rule
 RULES["top_k"] = top_k_rule

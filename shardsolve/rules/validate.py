@@ -285,7 +285,8 @@ def _close(a: np.ndarray, b: np.ndarray, rtol: float, atol: float) -> bool:
     a, b = np.asarray(a), np.asarray(b)
     if a.dtype == np.bool_ or jnp.issubdtype(a.dtype, jnp.integer):
         return bool(np.array_equal(a, b))
-    return bool(np.allclose(a.astype(np.float64), b.astype(np.float64), rtol=rtol, atol=atol, equal_nan=True))
+    wide = np.complex128 if np.iscomplexobj(a) or np.iscomplexobj(b) else np.float64  # (eig's values)
+    return bool(np.allclose(a.astype(wide), b.astype(wide), rtol=rtol, atol=atol, equal_nan=True))
 
 
 def sample(strategies: Sequence[Strategy], n: int) -> list[Strategy]:
