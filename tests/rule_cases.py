@@ -137,6 +137,7 @@ CASES: list[Case] = [
     Case("reduce_sum", lambda a: a.sum(1), (f32(8, 8),), "reduce_sum", family="reduction"),
     Case("reduce_sum_all", lambda a: a.sum(), (f32(8, 4),), "reduce_sum", family="reduction"),
     Case("reduce_max", lambda a: a.max(0), (f32(8, 4),), "reduce_max", family="reduction"),
+    Case("approx_top_k", lambda a: lax.approx_max_k(a, 2), (f32(8, 16),), "approx_top_k", family="reduction"),
     Case("reduce_general", lambda a, b: lax.reduce((a, b), (0.0, -jnp.inf), lambda x, y: (x[0] + y[0], jnp.maximum(x[1], y[1])),
                                                    (1,)), (f32(8, 4), f32(8, 4)), "reduce", family="reduction"),
     Case("reduce_min", lambda a: a.min(1), (f32(4, 8),), "reduce_min", family="reduction"),

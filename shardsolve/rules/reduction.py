@@ -116,7 +116,7 @@ def sort_rule(op: OpView) -> Rule:
 def top_k_rule(op: OpView) -> Rule:
     b = RuleBuilder()
     shape = op.in_shapes[0]
-    axis = op.params.get("axis", len(shape) - 1) % len(shape)
+    axis = op.params.get("axis", op.params.get("reduction_dimension", len(shape) - 1)) % len(shape)
     in_f = [b.new(n, replicate=d == axis) for d, n in enumerate(shape)]
     out_shape = op.out_shapes[0]
     out_f = [b.new(out_shape[d], replicate=True) if d == axis else f for d, f in enumerate(in_f)]
@@ -137,3 +137,4 @@ for _name in ("cumprod", "cummax", "cummin", "cumlogsumexp"):
 RULES["sort"] = sort_rule
 RULES["reduce"] = general_reduce_rule
 RULES["top_k"] = top_k_rule
+RULES["approx_top_k"] = top_k_rule  # along ``reduction_dimension``; the others split (each row's own k)
