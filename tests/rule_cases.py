@@ -131,6 +131,13 @@ CASES: list[Case] = [
          family="structural"),
     # contraction
     Case("matmul", lambda a, b: a @ b, (f32(8, 4), f32(4, 8)), "dot_general", family="contraction"),
+    # ragged_dot: 16 rows in 4 consecutive groups of at most 4 (a mixture of experts' sorted tokens), and its gradients
+    Case("ragged_dot", lax.ragged_dot, (f32(16, 8), f32(4, 8, 8), i32(4)), "ragged_dot_general", int_range=(0, 5),
+         family="contraction"),
+    Case("ragged_dot_weight_grad", jax.grad(lambda b, a, g: (lax.ragged_dot(a, b, g) ** 2).sum()),
+         (f32(4, 8, 8), f32(16, 8), i32(4)), "ragged_dot_general", int_range=(0, 5), index=1, family="contraction"),
+    Case("ragged_dot_input_grad", jax.grad(lambda a, b, g: (lax.ragged_dot(a, b, g) ** 2).sum()),
+         (f32(16, 8), f32(4, 8, 8), i32(4)), "ragged_dot_general", int_range=(0, 5), index=1, family="contraction"),
     Case("batch_matmul", lambda a, b: jnp.einsum("bmk,bkn->bmn", a, b), (f32(2, 4, 8), f32(2, 8, 4)), "dot_general", family="contraction"),
     Case("dot_outer", lambda a, b: jnp.einsum("bsd,bte->bst", a, b), (f32(2, 4, 2), f32(2, 4, 2)), "dot_general", family="contraction"),
     # reductions

@@ -473,6 +473,7 @@ SAMPLE_PROGRAMS = {
                          (_f32(8, 4, 4), _f32(8, 4, 2))),
     **{name: (fn, (_f32(8, 4, 4),)) for name, fn in LINALG_PARTS.items()},
     "approx_top_k": (lambda a: lax.approx_max_k(a, 2), (_f32(8, 16),)),
+    "ragged_dot_general": (lax.ragged_dot, (_f32(16, 8), _f32(4, 8, 8), jnp.full((4,), 4, jnp.int32))),
     "reduce": (lambda a: lax.reduce((a, a), (0.0, 0.0), lambda x, y: (x[0] + y[0], jnp.maximum(x[1], y[1])), (1,)),
                (_f32(8, 4),)),
     "polygamma": (lambda a: jax.scipy.special.polygamma(1, a), (_f32(8, 4),)),
