@@ -28,12 +28,17 @@ from shardsolve.rules._builder import RuleBuilder
 from shardsolve.rules.base import Rule
 
 
+#: The dimensions of one problem in the first operand, where not a matrix's two (a vector of diagonals, pivots).
+CORE_RANK = {"tridiagonal_solve": 1, "lu_pivots_to_permutation": 1}
+
+
 def batched_rule(op: OpView) -> Rule | None:
     """The shared batch of a batched matrix operation (None where the shapes do not share one)."""
     first = op.in_shapes[0]
-    if len(first) < 2:
+    core = CORE_RANK.get(op.primitive, 2)
+    if len(first) < core:
         return None
-    batch = first[:-2]
+    batch = first[:len(first) - core]
     shapes = list(op.in_shapes) + list(op.out_shapes)
     if any(tuple(s[:len(batch)]) != tuple(batch) for s in shapes):
         return None
@@ -45,7 +50,7 @@ def batched_rule(op: OpView) -> Rule | None:
 
     operands = [dims(s) for s in op.in_shapes]
     results = [dims(s) for s in op.out_shapes]
-    return b.build(operands, results, flops=float(math.prod(batch)) * float(max(first[-2:])) ** 3)
+    return b.build(operands, results, flops=float(math.prod(batch)) * float(max(first[len(batch):], default=1)) ** 3)
 
 
 RULES: dict[str, Callable[[OpView], Rule | None]] = {
