@@ -15,7 +15,7 @@ primitive as a fallback.
 
 Families: ``elementwise`` (pointwise tables, casts, ``select_n``, identities),
 ``structural`` (broadcast, reshape, transpose, slicing, padding, iota),
-``contraction`` (``dot_general``), ``reduction`` (reductions, scans, sorts),
+``contraction`` (``dot_general``, ``ragged_dot_general``), ``reduction`` (reductions, scans, sorts),
 ``indexing`` (``gather``, the scatters), ``window`` (convolutions, pools
 and the max pool's gradient), ``linalg`` (batched factorisations and solves).
 ``local`` runs a rule's strategy on local shards for the rewriter.
