@@ -221,6 +221,11 @@ CASES: list[Case] = [
         ("householder_product", lambda a: _lax_linalg.householder_product(a, a[..., 0])),
         ("tridiagonal_solve", lambda a: _lax_linalg.tridiagonal_solve(a[..., 0], a[..., 1], a[..., 2] + 4, a)),
     )),
+    Case("rfft2", jnp.fft.rfft2, (f32(8, 4, 8, 8),), "fft", rtol=1e-3, atol=1e-3, family="linalg"),
+    Case("irfft", lambda a: jnp.fft.irfft(a.astype(jnp.complex64) * 1j + a), (f32(8, 4, 5),), "fft", rtol=1e-3,
+         atol=1e-3, family="linalg"),
+    Case("fft_complex", lambda a: jnp.fft.fft(a.astype(jnp.complex64)), (f32(8, 16),), "fft", rtol=1e-3, atol=1e-3,
+         family="linalg"),
     # windows: convolutions (NHWC images, HWIO kernels), pools and the max pool's gradient
     Case("conv_same", lambda x, w: _conv(x, w, 1, "SAME"), (f32(8, 4, 4, 8), f32(3, 3, 8, 8)), "conv_general_dilated", family="window"),
     Case("conv_strided", lambda x, w: _conv(x, w, 2, "SAME"), (f32(8, 4, 4, 8), f32(3, 3, 8, 8)), "conv_general_dilated", family="window"),

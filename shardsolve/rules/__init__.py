@@ -10,7 +10,7 @@ primitive as a fallback.
     ...             ((8, 4), (4, 8)), ((8, 8),))
     >>> str(rule_for(op))
     '([i, j], [j, k])->([i, k]) {i=8, j=4, k=8} reduction={j} linear={(0), (1)}'
-    >>> str(fallback_rule(OpView("fft", {}, ((8, 4),), ((8, 4),))))
+    >>> str(fallback_rule(OpView("while", {}, ((8, 4),), ((8, 4),))))
     '([i, j])->([k, l]) {i=8, j=4, k=8, l=4} need_replication={i, j, k, l}'
 
 Families: ``elementwise`` (pointwise tables, casts, ``select_n``, identities),

@@ -16,6 +16,9 @@ values and two matrices, ``lu`` the factors and two index vectors
 ``[..., m]``: every result starts with the operand's batch dimensions, the
 rest stays whole. None is linear. FLOPs are priced as ``n**3`` per matrix
 (``n`` its largest matrix dimension), a dense factorisation's order.
+
+``fft`` transforms its trailing dimensions the same way, batched over the
+leading ones (and, unlike the factorisations, linearly).
 """
 
 from __future__ import annotations
@@ -53,6 +56,24 @@ def batched_rule(op: OpView) -> Rule | None:
     return b.build(operands, results, flops=float(math.prod(batch)) * float(max(first[len(batch):], default=1)) ** 3)
 
 
+def fft_rule(op: OpView) -> Rule | None:
+    """``fft`` over the trailing ``len(fft_lengths)`` dimensions, batched over the leading ones: those split, the
+    transformed ones stay whole (a real transform's result is shorter, ``n // 2 + 1``). Linear in its operand:
+    FFT(A1 + A2) = FFT(A1) + FFT(A2). FLOPs as XLA's cost analysis counts them: 8 per element of the longer
+    side times the product of the transformed lengths' log2."""
+    lengths = tuple(op.params["fft_lengths"])
+    shape, out = op.in_shapes[0], op.out_shapes[0]
+    k = len(lengths)
+    if len(shape) < k or len(out) != len(shape) or tuple(shape[:len(shape) - k]) != tuple(out[:len(out) - k]):
+        return None
+    b = RuleBuilder()
+    batch = [b.new(n) for n in shape[:len(shape) - k]]
+    operand = batch + [b.new(n, replicate=True) for n in shape[len(shape) - k:]]
+    result = batch + [b.new(n, replicate=True) for n in out[len(out) - k:]]
+    logs = math.prod(max(1.0, math.log2(max(n, 2))) for n in lengths)
+    return b.build([operand], [result], linear=((0,),), flops=8.0 * max(math.prod(shape), math.prod(out)) * logs)
+
+
 RULES: dict[str, Callable[[OpView], Rule | None]] = {
     name: batched_rule for name in (
         "cholesky", "eigh", "qr", "svd", "lu", "triangular_solve",
@@ -61,3 +82,4 @@ RULES: dict[str, Callable[[OpView], Rule | None]] = {
         "ormqr", "symmetric_product", "lu_pivots_to_permutation",
     )
 }
+RULES["fft"] = fft_rule
