@@ -242,6 +242,16 @@ def _empty_results(eqn: Any) -> list[Any] | None:
     return [np.zeros(a.shape, a.dtype) for a in avals]
 
 
+def _linear_solve(eqn: Any, invals: Sequence[Any]) -> list[Any]:
+    """``custom_linear_solve`` as its ``solve`` jaxpr evaluated: the operands hold the constants of its four
+    jaxprs (``const_lengths``: matvec, vecmat, solve, transpose_solve) and then the right-hand sides."""
+    lengths, jaxprs = eqn.params["const_lengths"], eqn.params["jaxprs"]
+    start = lengths.matvec + lengths.vecmat
+    solve_consts = list(invals[start:start + lengths.solve])
+    rhs = list(invals[sum(lengths):])
+    return eval_inlined(jaxprs.solve.jaxpr, jaxprs.solve.consts, *solve_consts, *rhs)
+
+
 def eval_inlined(jaxpr: Any, consts: Sequence[Any], *args: Any) -> list[Any]:
     """Evaluate an open jaxpr, stepping into nested calls instead of binding them.
 
@@ -268,6 +278,10 @@ def eval_inlined(jaxpr: Any, consts: Sequence[Any], *args: Any) -> list[Any]:
                 outvals = on_data
             elif eqn.primitive.name == "reshard" and _auto_only(eqn.params.get("dst_sharding")):
                 outvals = invals  # a no-op under automatic axes (JAX lowers it to nothing): the value itself
+            elif eqn.primitive.name == "name":
+                outvals = invals  # ``checkpoint_name``: an identity, for the remat policies inlined above it
+            elif eqn.primitive.name == "custom_linear_solve":
+                outvals = _linear_solve(eqn, invals)  # its forward solve (``jnp.linalg.solve``: LU, two triangles)
             elif eqn.primitive.name == "reshape" and eqn.params.get("dimensions") is not None:
                 # a transpose, then the reshape (a grouped convolution's kernel gradient): two ops with rules
                 x = jax.lax.transpose(invals[0], tuple(eqn.params["dimensions"]))

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from lower_cases import check_lowering
@@ -426,3 +427,19 @@ def test_a_reshape_with_dimensions_is_planned_as_transpose_then_reshape():
     plan = shardsolve.plan(f, x, mesh="data=2,model=4", in_shardings=(P("data"),))
     assert not plan.fallbacks
     _close(plan.jit()(x), f(x))
+
+
+def test_linear_solves_and_checkpoint_names_are_planned_not_replicated():
+    """``jnp.linalg.solve``/``inv`` (a ``custom_linear_solve`` around an LU) trace as their forward solve, split
+    over the batch of matrices, gradients included; ``checkpoint_name`` is an identity. No fallback, as in
+    GSPMD's plan nothing moves."""
+    a = jax.random.normal(jax.random.key(0), (16, 4, 4)) + 3 * jnp.eye(4)
+    b = jax.random.normal(jax.random.key(1), (16, 4, 1))
+
+    def solved(a, b):
+        x = checkpoint_name(jnp.linalg.solve(a, b), "x")
+        return x, jnp.linalg.inv(a), jax.grad(lambda a: (jnp.linalg.solve(a, b) ** 2).sum())(a)
+
+    plan = shardsolve.plan(solved, a, b, mesh="data=2,model=4", in_shardings=(P("data"), P("data")))
+    assert not plan.fallbacks and plan.collectives == ()
+    _close(plan.jit()(a, b), solved(a, b))
