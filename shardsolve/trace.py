@@ -147,9 +147,13 @@ def _on_key_data(eqn, invals: list) -> list | None:
         return [invals[0]]
     if not any(in_impls) and not any(out_impls):
         return None
+    if name.startswith("random_") and name not in KEY_DATA:
+        raise ShardsolveError(
+            f"{name} draws from a PRNG key inside the function, which shardsolve cannot plan (jax.random.gamma, "
+            "beta and dirichlet loop over their keys): draw the samples outside the function and pass them in")
     prng = _prng()
-    impl = in_impls[0] or out_impls[0]
-    keys = eqn.invars[0].aval
+    impl = next(i for i in in_impls + out_impls if i is not None)
+    keys = next(v.aval for v in eqn.invars if key_impl(v.aval) is not None) if any(in_impls) else eqn.invars[0].aval
     if name == "random_bits":
         return _inlined_call(lambda k: prng.random_bits_impl_base(impl, k, keys.ndim, bit_width=params["bit_width"],
                                                                   shape=params["shape"]), invals)
@@ -181,12 +185,17 @@ def _on_key_data(eqn, invals: list) -> list | None:
         return [jax.lax.transpose(x, perm + tuple(range(len(perm), len(perm) + k)))]
     if name == "concatenate":
         return [jax.lax.concatenate(invals, params["dimension"])]
+    if name == "select_n" and not in_impls[0]:  # keys chosen by a predicate: it picks whole keys
+        which = invals[0]
+        which = jax.lax.broadcast_in_dim(which, tuple(which.shape) + trailing, tuple(range(which.ndim)))
+        return [jax.lax.select_n(which, *invals[1:])]
     if name == "dynamic_slice":
         sizes = tuple(params["slice_sizes"]) + trailing
         return [jax.lax.dynamic_slice(x, list(invals[1:]) + [0] * k, sizes)]
     raise ShardsolveError(
-        f"{name} on a PRNG key array ({eqn.invars[0].aval.str_short() if eqn.invars else 'key'}) is not supported: "
+        f"{name} on a PRNG key array ({keys.str_short() if eqn.invars else 'key'}) is not supported: "
         "pass the keys' data (jax.random.key_data) or the random bits themselves into this part of the program"
+        + (" (jax.random.poisson loops over its key: draw its samples outside the function)" if name == "while" else "")
     )
 
 

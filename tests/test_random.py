@@ -99,3 +99,17 @@ def test_a_key_array_through_control_flow_is_refused_in_one_line():
     with pytest.raises(ShardsolveError, match=r"scan on a PRNG key array .*key_data") as e:
         shardsolve.plan(f, jnp.ones((8, 8)), jnp.int32(0), mesh=MESH)
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("draw, message", [
+    (lambda k: jax.random.gamma(k, 2.0, (16, 1)), r"random_gamma draws from a PRNG key inside the function"),
+    (lambda k: jax.random.poisson(k, 3.0, (16, 1)), r"while on a PRNG key array .*jax.random.poisson"),
+])
+def test_samplers_that_loop_over_their_keys_are_refused_in_one_line(draw, message):
+    """``jax.random.gamma`` (beta, dirichlet) and ``poisson`` loop over their keys where the planner cannot
+    follow them: one line says so, and how to pass the samples in (poisson raised an AttributeError before)."""
+    mu = jnp.ones((16, 8))
+    with pytest.raises(ShardsolveError, match=message) as e:
+        shardsolve.plan(lambda k, mu: mu * draw(k), jax.random.PRNGKey(1), mu, mesh="data=2,model=4",
+                        in_shardings=(None, P("data")))
+    assert "\n" not in str(e.value)
