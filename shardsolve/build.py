@@ -959,12 +959,16 @@ class ProblemBuilder:
             self.edge_reads.append(self.reads[-1])
 
     def add_ties(self, ties: Sequence[tuple[int, int]]) -> None:
-        """(argument leaf, output leaf) pairs take the same sharding: a forbidden cost off the diagonal."""
+        """(argument leaf, output leaf) pairs take the same sharding, as JAX lays them out at the boundary (an
+        argument split unevenly arrives evened, ``Sharding.evened``): a forbidden cost off the diagonal."""
         for arg_leaf, out_leaf in ties:
             if out_leaf not in self.output_node:
                 continue
-            u, v = self.value_node[self.graph.inputs[arg_leaf]], self.output_node[out_leaf]
-            same = tie_table(self.infos[u].shardings, self.infos[v].shardings, lambda a, b: a == b)
+            value = self.graph.inputs[arg_leaf]
+            u, v = self.value_node[value], self.output_node[out_leaf]
+            shape = self.graph.values[value].shape
+            same = tie_table(self.infos[u].shardings, self.infos[v].shardings,
+                             lambda a, b: a.evened(shape, self.mesh) == b.evened(shape, self.mesh))
             self.edges[(u, v)] = self.edges[(u, v)] + same if (u, v) in self.edges else same
 
     # -- operations --------------------------------------------------------------------

@@ -443,3 +443,16 @@ def test_linear_solves_and_checkpoint_names_are_planned_not_replicated():
     plan = shardsolve.plan(solved, a, b, mesh="data=2,model=4", in_shardings=(P("data"), P("data")))
     assert not plan.fallbacks and plan.collectives == ()
     _close(plan.jit()(a, b), solved(a, b))
+
+
+def test_carry_ties_an_uneven_pin_as_jax_lays_it_out():
+    """An argument pinned to an uneven split (30 columns over 4 devices) arrives evened at the ``jax.jit``
+    boundary; its next value is tied to that layout, so the step can be called again with its own output
+    (the tie used to demand the uneven split of the output too, and found no plan)."""
+    u = jax.random.normal(jax.random.key(0), (30, 30))
+    plan = shardsolve.plan(lambda u: u * 2, u, mesh="data=2,model=4", in_shardings=(P("data", "model"),),
+                           carry=((0, 0),))
+    assert plan.inputs[0] == Sharding.from_spec(P("data", "model"), 2)
+    assert jax.tree.leaves(plan.in_shardings)[0] == jax.tree.leaves(plan.out_shardings)[0]
+    step = plan.jit()
+    _close(step(step(u)), u * 4)
