@@ -456,3 +456,18 @@ def test_carry_ties_an_uneven_pin_as_jax_lays_it_out():
     assert jax.tree.leaves(plan.in_shardings)[0] == jax.tree.leaves(plan.out_shardings)[0]
     step = plan.jit()
     _close(step(step(u)), u * 4)
+
+
+def test_a_token_sliced_from_a_split_sequence_moves_only_that_token():
+    """The first token of a sequence split over devices (a ViT's class token under sequence parallelism): each
+    device reads it where it lies and a small sum combines them; the sequence is never gathered."""
+    x = jax.random.normal(jax.random.key(0), (4, 64, 32))
+    w = jax.random.normal(jax.random.key(1), (32, 8))
+
+    def head(x, w):
+        return x[:, 0] @ w
+
+    plan = shardsolve.plan(head, x, w, mesh="data=2,model=4", in_shardings=(P("data", "model"), None))
+    token = 4 * 32 * 4 // 2  # one token per example, of the data shard
+    assert all(c.bytes <= token for c in plan.collectives), [(c.kind, c.bytes) for c in plan.collectives]
+    _close(plan.jit()(x, w), head(x, w))

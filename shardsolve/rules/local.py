@@ -16,8 +16,8 @@ The others:
 - ``iota`` adds the shard's offset along a split ``dimension``; ``iota_2x32_shape``
   (the PRNG's counters) computes its elements' global flat indices;
 - ``slice``/``dynamic_slice`` take the whole local extent of passed-through dims;
-  ``dynamic_slice`` along a split dimension its window is narrower than reads
-  the window's elements this device holds and zeros elsewhere (a partial sum);
+  along a split dimension the slice is narrower than, they read the slice's
+  elements this device holds and zeros elsewhere (a partial sum);
 - ``dynamic_update_slice`` writes in place unless another operation reads
   its operand's buffer (``in_place=False``): then it selects the update,
   placed in a fresh buffer, over the operand; along a split dimension the
@@ -231,12 +231,34 @@ def _iota_2x32_shape(call: LocalCall, operands: list) -> list:
 
 
 def _slice(call: LocalCall, operands: list) -> list:
-    local = operands[0].shape
-    limits = list(call.op.params["limit_indices"])
+    """Passed-through split dimensions taken whole; a split dimension sliced narrower: the slice's elements this
+    device holds, zeros elsewhere (the rule's partial sum)."""
+    op = call.op
+    shape, out = op.in_shapes[0], op.out_shapes[0]
+    x = operands[0]
+    local = x.shape
+    starts, limits = list(op.params["start_indices"]), list(op.params["limit_indices"])
+    strides = list(op.params.get("strides") or (1,) * len(shape))
+    masked = False
     for d, axes in enumerate(call.strategy.operands[0].dims):
-        if axes:  # a passed-through dimension: take all of it
+        if not axes:
+            continue
+        if starts[d] == 0 and limits[d] == shape[d] and strides[d] == 1:  # passed through: take all of it
             limits[d] = local[d]
-    return call.bind(operands, limit_indices=tuple(limits))
+            continue
+        import jax.numpy as jnp
+
+        offset = call.shard_index(axes) * local[d]
+        at = starts[d] + strides[d] * jnp.arange(out[d], dtype=jnp.int32) - offset
+        held = (at >= 0) & (at < local[d])
+        x = jnp.take(x, jnp.clip(at, 0, local[d] - 1), axis=d)
+        x = jnp.where(_along(held, d, x.ndim), x, jnp.zeros((), x.dtype))
+        starts[d], limits[d], strides[d], masked = 0, out[d], 1, True
+    if not masked:
+        return call.bind(operands, limit_indices=tuple(limits))
+    from jax import lax
+
+    return [lax.slice(x, tuple(starts), tuple(limits), tuple(strides))]
 
 
 def _windowed_split(call: LocalCall) -> list[int]:

@@ -182,12 +182,23 @@ def _same_or_replicated(b: RuleBuilder, in_shape: Sequence[int], out_shape: Sequ
 
 def slice_rule(op: OpView) -> Rule:
     # slice is linear: (A1 + A2)[s] = A1[s] + A2[s]
+    # A dimension sliced narrower is a masked lookup there, as ``dynamic_slice``'s: a device holding a stretch
+    # of it reads the slice's elements in its stretch and zeros elsewhere, a partial sum (the first token of a
+    # sequence split over devices costs a small reduction, not the sequence gathered).
     b = RuleBuilder()
-    shape = op.in_shapes[0]
+    shape, out = op.in_shapes[0], op.out_shapes[0]
     starts, limits = op.params["start_indices"], op.params["limit_indices"]
     strides = op.params.get("strides") or (1,) * len(shape)
-    keep = [starts[d] == 0 and limits[d] == shape[d] and strides[d] == 1 for d in range(len(shape))]
-    in_f, out_f = _same_or_replicated(b, shape, op.out_shapes[0], keep)
+    maskable = not (op.out_dtypes and str(op.out_dtypes[0]) == "bool")
+    in_f, out_f = [], []
+    for d, n in enumerate(shape):
+        if starts[d] == 0 and limits[d] == n and strides[d] == 1:
+            f = b.new(n)
+            in_f.append(f)
+            out_f.append(f)
+        else:
+            in_f.append(b.new(n, reduce=True) if maskable else b.new(n, replicate=True))
+            out_f.append(b.new(out[d], replicate=True))
     return b.build([in_f], [out_f], linear=LINEAR0)
 
 
