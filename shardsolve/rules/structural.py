@@ -180,25 +180,34 @@ def _same_or_replicated(b: RuleBuilder, in_shape: Sequence[int], out_shape: Sequ
     return in_f, out_f
 
 
-def slice_rule(op: OpView) -> Rule:
-    # slice is linear: (A1 + A2)[s] = A1[s] + A2[s]
-    # A dimension sliced narrower is a masked lookup there, as ``dynamic_slice``'s: a device holding a stretch
-    # of it reads the slice's elements in its stretch and zeros elsewhere, a partial sum (the first token of a
-    # sequence split over devices costs a small reduction, not the sequence gathered).
-    b = RuleBuilder()
+def _windowed(b: RuleBuilder, op: OpView, whole: Sequence[bool]) -> tuple[list[str], list[str]]:
+    """Factors of a slice's operand and result: shared where ``whole[d]`` (the dimension passes through); where
+    the slice narrows it, a masked lookup (a device holding a stretch reads the slice's elements in its stretch
+    and zeros elsewhere: a reduction factor, the result a partial sum), or replicated for a boolean result."""
     shape, out = op.in_shapes[0], op.out_shapes[0]
-    starts, limits = op.params["start_indices"], op.params["limit_indices"]
-    strides = op.params.get("strides") or (1,) * len(shape)
     maskable = not (op.out_dtypes and str(op.out_dtypes[0]) == "bool")
     in_f, out_f = [], []
     for d, n in enumerate(shape):
-        if starts[d] == 0 and limits[d] == n and strides[d] == 1:
+        if whole[d]:
             f = b.new(n)
             in_f.append(f)
             out_f.append(f)
         else:
             in_f.append(b.new(n, reduce=True) if maskable else b.new(n, replicate=True))
             out_f.append(b.new(out[d], replicate=True))
+    return in_f, out_f
+
+
+def slice_rule(op: OpView) -> Rule:
+    # slice is linear: (A1 + A2)[s] = A1[s] + A2[s]
+    # A narrowed dimension split over devices is a masked lookup (``_windowed``): the first token of a sequence
+    # split over devices costs a small reduction, not the sequence gathered.
+    b = RuleBuilder()
+    shape = op.in_shapes[0]
+    starts, limits = op.params["start_indices"], op.params["limit_indices"]
+    strides = op.params.get("strides") or (1,) * len(shape)
+    in_f, out_f = _windowed(b, op, [starts[d] == 0 and limits[d] == n and strides[d] == 1
+                                    for d, n in enumerate(shape)])
     return b.build([in_f], [out_f], linear=LINEAR0)
 
 
@@ -269,21 +278,10 @@ def unstack_rule(op: OpView) -> Rule:
 
 def dynamic_slice_rule(op: OpView) -> Rule:
     # dynamic_slice is linear in the operand: (A1 + A2)[i:] = A1[i:] + A2[i:]
-    # A window narrower than its dimension is a masked lookup there (as gather's indexed dimensions): a device
-    # holding a stretch of it reads the window's elements in its stretch and zeros elsewhere, a partial sum.
+    # A window narrower than its dimension is a masked lookup there (``_windowed``, as gather's indexed dimensions).
     b = RuleBuilder()
-    shape, out = op.in_shapes[0], op.out_shapes[0]
     sizes = op.params["slice_sizes"]
-    maskable = not (op.out_dtypes and str(op.out_dtypes[0]) == "bool")
-    in_f, out_f = [], []
-    for d, n in enumerate(shape):
-        if sizes[d] == n:
-            f = b.new(n)
-            in_f.append(f)
-            out_f.append(f)
-        else:
-            in_f.append(b.new(n, reduce=True) if maskable else b.new(n, replicate=True))
-            out_f.append(b.new(out[d], replicate=True))
+    in_f, out_f = _windowed(b, op, [sizes[d] == n for d, n in enumerate(op.in_shapes[0])])
     indices = [[] for _ in op.in_shapes[1:]]
     return b.build([in_f, *indices], [out_f], linear=LINEAR0)
 
