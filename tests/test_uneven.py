@@ -131,6 +131,7 @@ RULE_CASES = [
     ("argmax_other_dim", lambda a: jnp.argmax(a, 1), ((10, 3),), "argmax"),
     ("iota", lambda a: a + jnp.arange(10.0)[:, None], ((10, 3),), "iota"),
     ("reshape", lambda a: a.reshape(10, 3, 2), ((10, 6),), "reshape"),
+    ("slice_rows", lambda a: a[1:9:2], ((10, 3),), "slice"),
 ]
 
 
@@ -150,6 +151,19 @@ def test_uneven_strategies_are_numerically_valid(name, fn, shapes, primitive):
     assert not check_many(eqn, rule, strategies, SPEC)
 
 
+def test_dynamic_windows_on_uneven_rows():
+    """A window read from, or written into, rows split unevenly (10 over 4): the padding is never read, and
+    starts out of range are clamped as JAX clamps them."""
+    x, u = jnp.ones((10, 6)), jnp.ones((3, 6))
+    for fn, primitive in [(lambda x, i: jax.lax.dynamic_slice(x, (i, 0), (3, 6)), "dynamic_slice"),
+                          (lambda x, u, i: jax.lax.dynamic_update_slice(x, u, (i, 0)), "dynamic_update_slice")]:
+        args = (x, jnp.int32(0)) if primitive == "dynamic_slice" else (x, u, jnp.int32(0))
+        eqn = find_equation(fn, *args, primitive=primitive)
+        rule, strategies = _uneven_strategies(eqn, SPEC)
+        assert strategies
+        assert not check_many(eqn, rule, strategies, SPEC, int_range=(-2, 12))
+
+
 def test_gather_and_scatter_add_on_uneven_rows():
     table, tokens = jnp.ones((10, 6)), jnp.zeros((5, 3), jnp.int32)
     for fn, primitive in [(lambda w, t: w[t], "gather"),
@@ -161,11 +175,11 @@ def test_gather_and_scatter_add_on_uneven_rows():
 
 
 def test_padding_sensitive_dimensions_are_never_split():
-    """A scan's or sort's axis, reversed, sliced and concatenated dimensions keep need-replication."""
+    """A scan's or sort's axis, reversed and concatenated dimensions keep need-replication (a sliced one is a
+    masked lookup that never reads the padding: ``slice_rows`` in ``RULE_CASES``)."""
     x = jnp.ones((10, 3))
     for fn, primitive in [(lambda a: jnp.cumsum(a, 0), "cumsum"), (lambda a: jnp.sort(a, 0), "sort"),
-                          (lambda a: a[::-1], "rev"), (lambda a: a[1:9], "slice"),
-                          (lambda a: jnp.concatenate([a, a]), "concatenate")]:
+                          (lambda a: a[::-1], "rev"), (lambda a: jnp.concatenate([a, a]), "concatenate")]:
         rule = rule_of(find_equation(fn, x, primitive=primitive))
         for s in rule.strategies(SPEC):
             assert not s.operands[0].dims[0], (primitive, s.describe())
@@ -384,9 +398,10 @@ def test_solver_picks_uneven_split_where_it_pays():
 # -- random programs with uneven pins, planned by the real solver ---------------------------------
 
 # Seeds of ``draw_program(seed, uneven=True)`` whose annotations split some argument unevenly
-# (and whose plans read it so), drawn once; a longer campaign is experiments/fuzz_lower.py.
+# (and whose plans read it so), drawn once (the random solver's again when the rules' strategies changed:
+# its pick on seed 128 stopped reading a value split unevenly); a longer campaign is experiments/fuzz_lower.py.
 REAL_SOLVER_SEEDS = (38, 59, 63, 106, 136, 159)
-RANDOM_SOLVER_SEEDS = (63, 128, 133)
+RANDOM_SOLVER_SEEDS = (63, 133, 136)
 
 
 @pytest.mark.parametrize("seed", REAL_SOLVER_SEEDS)
