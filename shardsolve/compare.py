@@ -42,6 +42,7 @@ before JAX starts its backend (the ``shardsolve compare`` command does that).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import os
 import re
@@ -65,7 +66,7 @@ from shardsolve.plan import Plan
 from shardsolve.planner import plan as make_plan
 from shardsolve.propagation import concrete_mesh, shardy_propagation
 from shardsolve.sharding import Sharding
-from shardsolve.trace import abstractify, in_mesh
+from shardsolve.trace import abstractify, in_mesh, leaf_names
 from shardsolve.units import parse_memory_limit
 
 COLUMNS = ("gspmd", "shardy", "shardsolve", "expert")
@@ -336,13 +337,42 @@ def _to_named(ann: Any, jmesh, ndim: int) -> Any:
     raise ShardsolveError(f"annotation {ann!r} is not a PartitionSpec, NamedSharding or None")
 
 
-def jit_with(fun: Callable, args: Sequence[Any], jmesh, in_shardings: Any, out_shardings: Any):
+def _evened(ann: Any, shape: tuple[int, ...], mesh: MeshSpec) -> Any:
+    """``ann`` with the dimensions it splits unevenly unsplit (``Sharding.evened``): the layout ``jax.jit``
+    accepts at its boundary; ``ann`` itself where it splits none (or is not a spec this can read)."""
+    spec = ann.spec if isinstance(ann, NamedSharding) else ann
+    if isinstance(spec, Sharding):
+        sharding = spec
+    elif isinstance(spec, PartitionSpec):
+        try:
+            sharding = Sharding.from_spec(spec, len(shape), mesh)
+        except ShardsolveError:
+            return ann  # jax.jit names what is wrong with it
+    else:
+        return ann
+    if sharding.partial or not sharding.uneven_dims(shape, mesh):
+        return ann
+    return sharding.evened(shape, mesh).to_spec()
+
+
+def jit_with(fun: Callable, args: Sequence[Any], jmesh, in_shardings: Any, out_shardings: Any,
+             even: MeshSpec | None = None, evened: list[str] | None = None):
     """``jax.jit(fun)`` with the annotations as ``NamedSharding`` pytrees (None leaves left to propagation).
 
     ``fun`` runs with the mesh as JAX's context mesh (``trace.in_mesh``; the same program where it needs
     none): a ``with_sharding_constraint(x, PartitionSpec(...))`` inside it holds for propagation as for the
-    planner.
+    planner. With ``even`` (the mesh), an annotation that splits a dimension its parts do not divide, which
+    ``jax.jit`` refuses, is given evened (``Sharding.evened``: that dimension unsplit), as ``plan.jit()``
+    takes the plan's; the names of the leaves evened (``args[0]``, ``outputs[1]``) are added to ``evened``.
     """
+    def leaf(ann: Any, x: Any, name: str) -> Any:
+        if even is not None:
+            given = _evened(ann, tuple(x.shape), even)
+            if given is not ann and evened is not None:
+                evened.append(name)
+            ann = given
+        return _to_named(ann, jmesh, len(x.shape))
+
     inner = fun
 
     def fun(*a):
@@ -355,16 +385,18 @@ def jit_with(fun: Callable, args: Sequence[Any], jmesh, in_shardings: Any, out_s
     if in_shardings is not None:
         flat = broadcast_annotations(in_shardings, in_tree, "in_shardings")
         leaves = jax.tree_util.tree_leaves(abstract)
+        names = leaf_names(in_tree, "args")
         kwargs["in_shardings"] = jax.tree_util.tree_unflatten(
-            in_tree, [_to_named(a, jmesh, len(x.shape)) for a, x in zip(flat, leaves)]
+            in_tree, [leaf(a, x, n) for a, x, n in zip(flat, leaves, names)]
         )
     if out_shardings is not None:
         out_abstract = jax.eval_shape(fun, *abstract)
         out_tree = jax.tree_util.tree_structure(out_abstract)
         flat = broadcast_annotations(out_shardings, out_tree, "out_shardings")
         out_leaves = jax.tree_util.tree_leaves(out_abstract)
+        names = leaf_names(out_tree, "outputs")
         kwargs["out_shardings"] = jax.tree_util.tree_unflatten(
-            out_tree, [_to_named(a, jmesh, len(x.shape)) for a, x in zip(flat, out_leaves)]
+            out_tree, [leaf(a, x, n) for a, x, n in zip(flat, out_leaves, names)]
         )
     return jax.jit(fun, **kwargs), abstract
 
@@ -423,6 +455,9 @@ def compare(
     already made plan instead of planning again. ``memory_limit`` is passed to
     the planner and sets each column's ``fits``; ``source`` is recorded in the
     plan (``Plan.source``); ``carry`` goes to the planner (``shardsolve.plan``).
+    A pin that splits a dimension unevenly, which ``jax.jit`` refuses, is given
+    to GSPMD, Shardy and the expert evened (that dimension unsplit, as
+    ``plan.jit()`` takes the plan's), and their label says ``(evened)``.
     See the module docstring.
     """
     say = progress or (lambda message: None)
@@ -433,22 +468,29 @@ def compare(
     if unknown:
         raise ShardsolveError(f"unknown comparison columns {unknown}; choose from {list(COLUMNS)}")
 
-    def baseline(ins: Any, outs: Any) -> Callable[[], Any]:
-        return lambda: jit_with(fun, args, jmesh, ins, outs)
+    def baseline(name: str, ins: Any, outs: Any, gspmd: bool = False) -> Column:
+        label = LABELS[name]
+        evened: list[str] = []
+        col = compile_column(name, lambda: jit_with(fun, args, jmesh, ins, outs, even=spec, evened=evened), spec,
+                             limit, gspmd=gspmd, label=label)
+        if evened:  # as plan.jit() takes them: JAX lays out no uneven split at its boundary
+            say(f"{label}: {', '.join(evened)} split unevenly, given to jax.jit evened (those dimensions unsplit)")
+            col = dataclasses.replace(col, label=f"{label} (evened)")
+        return col
 
     out: list[Column] = []
     for name in columns:
         if name == "gspmd":
             say("compiling with GSPMD propagation")
-            out.append(compile_column("gspmd", baseline(in_shardings, out_shardings), spec, limit, gspmd=True))
+            out.append(baseline("gspmd", in_shardings, out_shardings, gspmd=True))
         elif name == "shardy":
             say("compiling with Shardy propagation")
-            out.append(compile_column("shardy", baseline(in_shardings, out_shardings), spec, limit))
+            out.append(baseline("shardy", in_shardings, out_shardings))
         elif name == "expert":
             if expert_in_shardings is None and expert_out_shardings is None:
                 continue
             say("compiling the expert annotation")
-            out.append(compile_column("expert", baseline(expert_in_shardings, expert_out_shardings), spec, limit))
+            out.append(baseline("expert", expert_in_shardings, expert_out_shardings))
         elif name == "shardsolve":
             if plan is None:
                 say("planning with shardsolve")

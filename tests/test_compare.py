@@ -97,6 +97,24 @@ def test_failing_baseline_is_reported_in_its_column() -> None:
     assert "nope" in expert.error and "\n" not in expert.error
 
 
+def test_uneven_pins_are_given_to_propagation_evened() -> None:
+    # 10 rows over the 4 devices of "model": jax.jit refuses that pin; GSPMD, Shardy and the expert are given it
+    # evened (the rows unsplit), as plan.jit() takes the plan's, and say so in their label.
+    x = jax.ShapeDtypeStruct((10, 64), jnp.float32)
+    said: list[str] = []
+    cmp = shardsolve.compare(mlp2, x, W1, W2, mesh=MESH, in_shardings=(P("model"), None, None), time_limit=20,
+                             expert_in_shardings=(P("model"), P(None, "data"), None), progress=said.append)
+    for name in ("gspmd", "shardy", "expert"):
+        assert cmp[name].ok, cmp[name].error
+        assert cmp[name].label.endswith("(evened)")
+        assert cmp[name].in_specs[0] == "P()", cmp[name].in_specs
+    assert cmp["expert"].in_specs[1] == "P(None, 'data')"  # the even pins stay as given
+    assert cmp["shardsolve"].ok and cmp["shardsolve"].label == "shardsolve"
+    assert any("args[0] split unevenly" in m for m in said)
+    even = shardsolve.compare(mlp2, X, W1, W2, mesh=MESH, in_shardings=(P("data"), None, None), columns=("shardy",))
+    assert even["shardy"].label == "Shardy"  # an even pin is given as it is
+
+
 def test_gspmd_setting_is_restored_even_on_error() -> None:
     before = jax.config.jax_use_shardy_partitioner
     with pytest.raises(RuntimeError):
