@@ -116,7 +116,8 @@ def _run_pinned(graph, op_plans, args: list, consts: list, mesh: Any, scope: str
             if is_planned_scan(op, op_plan):
                 outs = _run_scan(graph, op, op_plan, [read(x) for x in op.inputs], mesh)
             else:
-                outs = op.prim.bind(*map(read, op.inputs), **op.prim.get_bind_params(op.params))
+                eqn = op.eqn if op.loop is None else op.loop  # (a while loop not planned with its body: itself)
+                outs = op.prim.bind(*map(read, op.inputs), **op.prim.get_bind_params(eqn.params))
                 if not op.prim.multiple_results:
                     outs = [outs]
             for vid, out, sharding in zip(op.outputs, outs, op_plan.results):
@@ -125,7 +126,8 @@ def _run_pinned(graph, op_plans, args: list, consts: list, mesh: Any, scope: str
 
 
 def _run_scan(graph, op, op_plan, operands: list, mesh: Any) -> list:
-    """``jax.lax.scan`` of the op's body (``graph.body(op)``) with the body's planned shardings pinned."""
+    """``jax.lax.scan`` (or the ``while`` loop) of the op's body (``graph.body(op)``) with the body's planned
+    shardings pinned."""
     p = op.params
     body = graph.body(op)
     b = ScanBoundary.of(op, op_plan.operands, op_plan.results, op_plan.body_consts)
@@ -143,6 +145,8 @@ def _run_scan(graph, op, op_plan, operands: list, mesh: Any) -> list:
         ys = [_pin(v, s, mesh) for v, s in zip(outs[n_carry:], b.ys)]
         return new_c, ys
 
+    if op.loop is not None:  # a while loop: its condition is its last carry
+        return list(jax.lax.while_loop(lambda c: c[-1], lambda c: step(c, [])[0], list(carry)))
     kw = {"reverse": bool(p.get("reverse", False)), "unroll": p.get("unroll", 1)}
     new_carry, ys = jax.lax.scan(step, list(carry), list(xs), length=int(p["length"]), **kw)
     return list(new_carry) + list(ys)

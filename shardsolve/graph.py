@@ -24,7 +24,7 @@ from jax.extend import core as jcore
 
 from shardsolve.cost import wire_itemsize
 from shardsolve.sharding import Sharding
-from shardsolve.trace import Traced, inline_closed, leaf_names, user_line
+from shardsolve.trace import Traced, carries_predicate, inline_closed, leaf_names, user_line
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,6 +80,9 @@ class Op:
     outputs: tuple[int, ...]
     eqn: Any = field(compare=False, repr=False)  # the JaxprEqn, for re-binding
     source: str = ""  # name stack, e.g. "jvp(block_3)/attention"
+    # A ``while`` loop planned as a scan (``primitive`` "scan", ``eqn`` its scan form: ``as_scan``): the loop's own
+    # equation, which runs it (``trace._predicate_carried``'s form: the condition is the last carry).
+    loop: Any = field(default=None, compare=False, repr=False)
 
     @property
     def params(self) -> dict:
@@ -94,7 +97,7 @@ class Op:
         return tuple(k for k, x in enumerate(self.inputs) if isinstance(x, Lit))
 
     def name(self) -> str:
-        return f"%{self.id} {self.primitive}" + (f" [{self.source}]" if self.source else "")
+        return f"%{self.id} {self.primitive if self.loop is None else 'while'}" + (f" [{self.source}]" if self.source else "")
 
     def where(self) -> str:
         """The user's source line that made the op (``"file:line"``), or "" where JAX kept none."""
@@ -235,7 +238,11 @@ class Graph:
                     vid = new(var, kind="result", producer=op_id, result_index=r, name=f"%{op_id}.{r}" if len(eqn.outvars) > 1 else f"%{op_id}")
                 outs.append(vid)
             source = str(eqn.source_info.name_stack) if eqn.source_info is not None else ""
-            ops.append(Op(op_id, eqn.primitive.name, operands, tuple(outs), eqn, source))
+            scan = as_scan(eqn)
+            if scan is not None:
+                ops.append(Op(op_id, "scan", operands, tuple(outs), scan, source, loop=eqn))
+            else:
+                ops.append(Op(op_id, eqn.primitive.name, operands, tuple(outs), eqn, source))
         outputs = tuple(Lit(v.val) if isinstance(v, jcore.Literal) else ids[v] for v in jaxpr.outvars)
         graph = cls(values, ops, inputs, consts, tuple(closed.consts), outputs, traced, closed=closed)
         for op in ops:
@@ -245,17 +252,18 @@ class Graph:
         return graph
 
     def view(self, op: Op) -> OpView:
-        """What a sharding rule sees of ``op``."""
+        """What a sharding rule sees of ``op`` (of a ``while`` loop planned as a scan: the loop itself)."""
         ins = [self._aval(x) for x in op.inputs]
         outs = [self.values[v] for v in op.outputs]
+        eqn = op.eqn if op.loop is None else op.loop
         return OpView(
-            op.primitive,
-            op.params,
+            eqn.primitive.name,
+            eqn.params,
             tuple(s for s, _ in ins),
             tuple(v.shape for v in outs),
             tuple(d for _, d in ins),
             tuple(v.dtype for v in outs),
-            prim=op.prim,
+            prim=eqn.primitive,
         )
 
     def _aval(self, x: int | Lit) -> tuple[tuple[int, ...], Any]:
@@ -299,6 +307,24 @@ class Graph:
 
 
 # -- scans -----------------------------------------------------------------------------------
+
+
+def as_scan(eqn: Any) -> Any:
+    """A ``while`` equation whose condition is its last carry (``trace._predicate_carried``), as a scan's
+    equation of length 1 with its body (consts and carry: no xs, no ys); None for any other equation.
+
+    A loop of unknown trip count is counted once, as XLA's ``cost_analysis()``
+    counts a while body; the body's consts are its loop invariants and the
+    condition is one more carry, computed in the body.
+    """
+    if eqn.primitive.name != "while" or not carries_predicate(eqn):
+        return None
+    p = eqn.params
+    n_carry = len(eqn.outvars)
+    return eqn.replace(params={
+        "jaxpr": p["body_jaxpr"], "length": 1, "reverse": False, "unroll": 1, "num_consts": p["body_nconsts"],
+        "num_carry": n_carry, "linear": (False,) * len(eqn.invars), "_split_transpose": False,
+    })
 
 
 def scan_counts(op: Op) -> tuple[int, int]:

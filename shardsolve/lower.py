@@ -489,6 +489,8 @@ class _Rewriter:
             outs = self._lower_graph(inner, body, lo.body, table, b.body_outputs)
             return outs[:n_carry], outs[n_carry:]
 
+        if op.loop is not None:  # a while loop: its condition is its last carry, laid out alike on every device
+            return list(jax.lax.while_loop(lambda carry: carry[-1], lambda carry: step(carry, [])[0], list(carry_l)))
         kw = {"reverse": bool(p.get("reverse", False)), "unroll": p.get("unroll", 1)}
         new_carry, ys = jax.lax.scan(step, list(carry_l), list(xs_l), length=int(p["length"]), **kw)
         return list(new_carry) + list(ys)

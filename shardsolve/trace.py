@@ -4,7 +4,10 @@ Nested calls (``jit``/``pjit``, ``custom_jvp_call``, ``custom_vjp_call``,
 ``remat``/``checkpoint``, ``closed_call``) are inlined: the jaxpr is evaluated
 by a small interpreter that steps into their bodies, and the interpreter is
 traced again with ``jax.make_jaxpr``. Control flow (``scan``, ``while``,
-``cond``) stays as one structured equation each.
+``cond``) stays as one structured equation each; a ``while`` loop carries its
+condition (``_predicate_carried``), so that its body and condition are one
+program, and a ``cond`` whose branches hold no loop and no effect runs as
+every branch and a select of the taken one's results (``_selected``).
 
 PRNG keys (``jax.random.key``, and the keys ``jax.random.PRNGKey`` data is
 wrapped into inside ``jax.random`` calls) become their key data: the
@@ -24,9 +27,10 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import jax
+import numpy as np
 from jax.extend import core as jcore
 
 from shardsolve.errors import ShardsolveError
@@ -261,6 +265,127 @@ def _linear_solve(eqn: Any, invals: Sequence[Any]) -> list[Any]:
     return eval_inlined(jaxprs.solve.jaxpr, jaxprs.solve.consts, *solve_consts, *rhs)
 
 
+def _subjaxprs(params: dict) -> Iterator[Any]:
+    for value in params.values():
+        for x in value if isinstance(value, (tuple, list)) else (value,):
+            if isinstance(x, jcore.ClosedJaxpr):
+                yield x.jaxpr
+            elif isinstance(x, jcore.Jaxpr):
+                yield x
+
+
+def _loops(jaxpr: Any) -> bool:
+    """Whether ``jaxpr`` holds a ``while`` loop, at any depth."""
+    return any(e.primitive.name == "while" or any(_loops(j) for j in _subjaxprs(e.params)) for e in jaxpr.eqns)
+
+
+def selectable(eqn: Any) -> bool:
+    """Whether a ``cond`` equation may run as its every branch and a select of the taken one's results: no
+    effects, and no ``while`` loop in any branch (a loop the index does not take might not end)."""
+    return not eqn.effects and not any(_loops(b.jaxpr) or b.jaxpr.effects for b in eqn.params["branches"])
+
+
+def _selected(eqn: Any, invals: Sequence[Any]) -> list[Any]:
+    """A ``cond`` as every branch computed, then ``select_n`` of the taken branch's results.
+
+    The planner then plans the branches' ops like any others (a ``cond`` kept
+    whole replicates its operands: a branch's elementwise work on split
+    activations or parameters would gather them). The work is every branch's,
+    not the taken one's: branches that are cheap beside the program (an
+    optimizer's every-k-steps update, a choice of activation) cost little
+    more. An index out of range takes the last branch, as XLA's conditional
+    does.
+    """
+    branches = eqn.params["branches"]
+    index, operands = invals[0], invals[1:]
+    outs = [eval_inlined(b.jaxpr, b.consts, *operands) for b in branches]
+    if len(branches) == 1:
+        return outs[0]
+    last = len(branches) - 1
+    index = jax.lax.select((index < 0) | (index > last), jax.lax.full_like(index, last), index)
+    return [jax.lax.select_n(index, *(o[k] for o in outs)) for k in range(len(outs[0]))]
+
+
+def _literal(x: Any) -> int | None:
+    """The integer a jaxpr literal holds (None for a traced value or anything else)."""
+    if isinstance(x, jcore.Literal):
+        x = x.val
+    if isinstance(x, jax.core.Tracer) or np.ndim(x) != 0 or not np.issubdtype(np.asarray(x).dtype, np.integer):
+        return None
+    return int(x)
+
+
+def static_trips(eqn: Any, init: Sequence[Any]) -> int | None:
+    """The trip count of a ``while`` loop that counts a carry from a literal to a literal bound
+    (``while i < n: i += step``, ``i`` changed by nothing else), which XLA infers too; None otherwise."""
+    p = eqn.params
+    cond, body = p["cond_jaxpr"].jaxpr, p["body_jaxpr"].jaxpr
+    if p["cond_nconsts"] or len(cond.eqns) != 1 or cond.outvars[0] is not cond.eqns[0].outvars[0]:
+        return None
+    test = cond.eqns[0]
+    a, b = test.invars
+    if test.primitive.name == "lt" and a in cond.invars:
+        k, bound = cond.invars.index(a), _literal(b)
+    elif test.primitive.name == "gt" and b in cond.invars:
+        k, bound = cond.invars.index(b), _literal(a)
+    else:
+        return None
+    start = _literal(init[k])
+    out = body.outvars[k]
+    made = [e for e in body.eqns if out in e.outvars]
+    if bound is None or start is None or len(made) != 1 or made[0].primitive.name != "add":
+        return None
+    counter = body.invars[p["body_nconsts"] + k]
+    x, y = made[0].invars
+    step = _literal(y) if x is counter else _literal(x) if y is counter else None
+    if step is None or step <= 0:
+        return None
+    return max(0, -(-(bound - start) // step))
+
+
+def carries_predicate(eqn: Any) -> bool:
+    """Whether a ``while`` equation's condition only reads its last carry (``_predicate_carried``'s form)."""
+    p = eqn.params
+    cond = p["cond_jaxpr"].jaxpr
+    return (p["cond_nconsts"] == 0 and not cond.eqns and len(cond.outvars) == 1
+            and cond.outvars[0] is cond.invars[-1] and not p["cond_jaxpr"].consts)
+
+
+def _predicate_carried(eqn: Any, invals: Sequence[Any]) -> list[Any]:
+    """A ``while`` loop as one whose condition is its last carry: ``cond(init)`` computed before the loop, and
+    the body computing ``cond`` of the carry it makes, so that the condition is part of the body; a loop
+    that counts from a literal to a literal (``static_trips``) as a scan of its trip count.
+
+    The loop is the same (the same iterations, the same results), and its
+    body, condition included, is one program the planner plans like a scan's
+    (``graph.Graph.from_jaxpr``): the carries keep their layouts from one
+    iteration to the next and the condition's reductions are among the body's
+    collectives.
+    """
+    p = eqn.params
+    cond, body = p["cond_jaxpr"], p["body_jaxpr"]
+    nc, nb = p["cond_nconsts"], p["body_nconsts"]
+    cond_consts, body_consts, init = invals[:nc], invals[nc:nc + nb], list(invals[nc + nb:])
+    trips = static_trips(eqn, init)
+    if trips == 0:
+        return init
+    if trips is not None:  # a counted loop: a scan of that length, which XLA counts as many times
+        def counted(carry, _):
+            return eval_inlined(body.jaxpr, body.consts, *body_consts, *carry), None
+
+        return list(jax.lax.scan(counted, init, None, length=trips)[0])
+
+    def condition(carry):
+        (pred,) = eval_inlined(cond.jaxpr, cond.consts, *cond_consts, *carry)
+        return pred
+
+    def step(state):
+        carry = eval_inlined(body.jaxpr, body.consts, *body_consts, *state[:-1])
+        return (*carry, condition(carry))
+
+    return list(jax.lax.while_loop(lambda state: state[-1], step, (*init, condition(init))))[:-1]
+
+
 def eval_inlined(jaxpr: Any, consts: Sequence[Any], *args: Any) -> list[Any]:
     """Evaluate an open jaxpr, stepping into nested calls instead of binding them.
 
@@ -298,6 +423,12 @@ def eval_inlined(jaxpr: Any, consts: Sequence[Any], *args: Any) -> list[Any]:
                 outvals = [eqn.primitive.bind(x, **params)]
             elif (empty := _empty_results(eqn)) is not None:
                 outvals = empty  # no elements to compute: what it reads may go dead (``drop_dead_code``)
+            elif eqn.primitive.name in ("empty", "empty2"):  # contents undefined: zeros are as good, and have a rule
+                outvals = [jax.lax.full(v.aval.shape, 0, v.aval.dtype) for v in eqn.outvars]
+            elif eqn.primitive.name == "cond" and selectable(eqn):
+                outvals = _selected(eqn, invals)  # every branch, then the taken one's results
+            elif eqn.primitive.name == "while" and not carries_predicate(eqn):
+                outvals = _predicate_carried(eqn, invals)  # its body planned once, as a scan's
             else:
                 outvals = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(eqn.params))
                 if not eqn.primitive.multiple_results:
@@ -480,10 +611,14 @@ def trace(fun: Callable, *args: Any, mesh: Any = None) -> Traced:
 def inline_closed(closed: Any) -> Any:
     """A control-flow body (closed jaxpr) with nested calls inlined, duplicates merged, dead code dropped.
 
-    Used for ``scan`` bodies, which ``trace`` keeps as one structured equation.
+    Used for ``scan`` bodies, which ``trace`` keeps as one structured equation. A ``while`` loop in them
+    carries its condition and a ``cond`` runs as a select, as in the program (``_predicate_carried``,
+    ``_selected``).
     """
     jaxpr = closed.jaxpr
-    if not any(e.primitive.name in INLINED or e.primitive.name == "reshard" for e in jaxpr.eqns):
+    if not any(e.primitive.name in INLINED or e.primitive.name == "reshard"
+               or (e.primitive.name == "while" and not carries_predicate(e))
+               or (e.primitive.name == "cond" and selectable(e)) for e in jaxpr.eqns):
         return drop_dead_code(merge_duplicates(closed))
     avals = [v.aval for v in jaxpr.invars]
 

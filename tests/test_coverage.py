@@ -135,16 +135,75 @@ def _nested_scans(x, w):
     return lax.scan(outer, x, None, length=3)
 
 
-@pytest.mark.parametrize("fun, fallbacks", [(_cond, (("cond", 1),)), (_while, (("while", 1),)), (_remat, ()),
-                                            (_custom_vjp, ()), (_nested_scans, ())])
+def _switch_out_of_range(x, w):
+    """``lax.switch`` clamps its index; the ``cond`` primitive itself takes its last branch out of range."""
+    branches = [lambda a, v: jnp.tanh(a @ v), lambda a, v: a * 2.0, lambda a, v: jnp.sin(a) @ v]
+    index = (x[0, 0] > 0).astype(jnp.int32) * -7 + 4  # -3 (these arguments) or 4: out of range either way
+    return lax.cond_p.bind(index, x, w, branches=tuple(jax.make_jaxpr(b)(x, w) for b in branches))[0]
+
+
+def _cond_with_loop(x, w):
+    """A branch with a while loop is kept whole: its loop might not end where the index does not take it."""
+    return lax.cond(x.sum() > 0, lambda a: lax.while_loop(lambda h: h.sum() > 0, lambda h: h - 1.0, a), jnp.tanh, x)
+
+
+def _while_until_small(x, w):
+    """A loop whose condition reduces over the split batch: every device must agree when it ends."""
+    return lax.while_loop(lambda h: jnp.max(jnp.abs(h)) > 0.05, lambda h: 0.5 * jnp.tanh(h @ w), x)
+
+
+def _fori_dynamic(x, w):
+    """``fori_loop`` with a bound that is a traced value: a while loop, its count a carry."""
+    return lax.fori_loop(0, jnp.int32(x.shape[1]) // 4, lambda i, h: jnp.tanh(h @ w) + h, x)
+
+
+def _while_in_scan(x, w):
+    def outer(h, _):
+        return lax.while_loop(lambda c: c[1] < 2, lambda c: (jnp.tanh(c[0] @ w), c[1] + 1), (h, 0))[0], h.sum()
+
+    return lax.scan(outer, x, None, length=3)
+
+
+@pytest.mark.parametrize("fun, fallbacks", [(_cond, ()), (_switch_out_of_range, ()), (_cond_with_loop, (("cond", 1),)),
+                                            (_while, ()), (_while_until_small, ()), (_fori_dynamic, ()),
+                                            (_while_in_scan, ()), (_remat, ()), (_custom_vjp, ()), (_nested_scans, ())])
 def test_control_flow_plans_and_lowers_exactly(fun, fallbacks):
-    """remat and custom_vjp are inlined, scans nest; cond and while fall back, reported, never silently."""
+    """remat and custom_vjp are inlined, scans nest, a while loop's body (its condition in it) is planned once
+    as a scan's is, a cond runs every branch and selects; a cond with a loop in a branch falls back, reported,
+    never silently."""
     x, w = _x(16, 8), _x(8, 8, key=1) / 8**0.5
     plan = shardsolve.plan(fun, x, w, mesh=MESH, in_shardings=(P("data"), None), time_limit=10)
     assert plan.fallbacks == fallbacks
     outcome = check_lowering(plan, (x, w))
     assert outcome.numerics_ok, outcome.max_rel
     assert outcome.collectives_ok, (outcome.predicted, outcome.lowered)
+
+
+def _counted(x, w, start=1, bound=10, step=2):
+    return lax.while_loop(lambda c: bound > c[1], lambda c: (jnp.tanh(c[0] @ w), step + c[1]), (x, start))[0]
+
+
+@pytest.mark.parametrize("fun, length", [(_while, 3), (_counted, 5), (lambda x, w: _counted(x, w, 12), None),
+                                         (_fori_dynamic, 1), (_while_until_small, 1)])
+def test_a_counted_while_loop_is_a_scan_of_its_trip_count(fun, length):
+    """A loop from a literal to a literal bound (which XLA counts too) runs as a scan of its trip count; one
+    that never runs is no op; any other loop is counted once, as XLA's cost_analysis counts it."""
+    x, w = _x(16, 8), _x(8, 8, key=1) / 8**0.5
+    plan = shardsolve.plan(fun, x, w, mesh=MESH, in_shardings=(P("data"), None), time_limit=10)
+    assert [o.length for o in plan.ops if o.primitive == "scan"] == ([length] if length else [])
+    assert check_lowering(plan, (x, w)).numerics_ok
+
+
+def test_a_while_loop_keeps_its_carry_split():
+    """The loop's carry stays split over the batch as it was pinned: no collective gathers it (the fallback
+    replicated the whole carry); a condition over the split batch costs one all-reduce of a scalar a step."""
+    x, w = _x(4096, 64), _x(64, 64, key=1) / 64**0.5  # (gathering a megabyte costs more than the latency)
+    for fun, reduced in ((_fori_dynamic, False), (_while_until_small, True)):
+        plan = shardsolve.plan(fun, x, w, mesh=MESH, in_shardings=(P("data"), None), out_shardings=P("data"),
+                               time_limit=10)
+        assert not plan.fallbacks
+        assert all(c.kind == "all-reduce" and c.bytes <= 4 for c in plan.collectives), plan.collectives
+        assert bool(plan.collectives) == reduced
 
 
 def test_infeasible_error_names_its_conflict_through_plan():
