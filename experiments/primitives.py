@@ -11,7 +11,9 @@ primitives ``trace`` inlines. Each gets one verdict:
 * ``key data``: a PRNG primitive ``trace`` runs on key data (``random_bits``,
   ``random_split``, ...): the traced program holds the key implementation's
   own ``uint32`` computation instead;
-* ``planned body``: ``scan``, whose body is planned once;
+* ``planned body``: ``scan``, whose body is planned once, ``while`` (planned
+  as a scan: ``trace`` carries its condition), ``cond`` (``trace`` runs every
+  branch and selects);
 * ``fallback``: no rule; the planner replicates its operands and reports it in
   ``plan.fallbacks`` (and ``shardsolve plan`` prints "N fell back to replication");
 * ``unsupported``: named-axis collectives and their async halves, which only
@@ -102,7 +104,7 @@ SAMPLES = {
     "random_fold_in": (lambda x, seed: x + jax.random.uniform(jax.random.fold_in(jax.random.key(seed), 2), x.shape),
                        (_x(16, 8), jnp.int32(4))),
     "cond": (lambda x: lax.cond(x.sum() > 0, jnp.sin, jnp.cos, x), (_x(16, 8),)),
-    "while": (lambda x: lax.while_loop(lambda c: c[1] < 3, lambda c: (c[0] * 2.0, c[1] + 1), (x, 0))[0], (_x(16, 8),)),
+    "while": (lambda x: lax.while_loop(lambda h: jnp.max(jnp.abs(h)) > 0.05, lambda h: 0.5 * h, x), (_x(16, 8),)),
     "conv_general_dilated": (lambda x, k: lax.conv_general_dilated(x, k, (1, 1), "SAME"), (_x(8, 3, 8, 8), _x(4, 3, 3, 3))),
     "reduce_window_sum": (lambda x: lax.reduce_window(x, 0.0, lax.add, (1, 2), (1, 2), "VALID"), (_x(16, 8),)),
     "reduce_window_max": (lambda x: lax.reduce_window(x, -jnp.inf, lax.max, (1, 2), (1, 2), "VALID"), (_x(16, 8),)),
@@ -159,6 +161,14 @@ def main() -> int:
             verdict, note = "key data", "run on key data by trace"
         elif name == "scan":
             verdict, note = "planned body", "body planned once, costs times the trip count"
+        elif name == "while":
+            verdict, note = "planned body", ("body and condition planned once as a scan's (a loop counted from a "
+                                             "literal to a literal: a scan of its trip count)")
+        elif name == "cond":
+            verdict, note = "planned body", ("every branch planned, the taken one's results selected; a branch "
+                                             "with a while loop falls back (operands replicated, reported)")
+        elif name in ("empty", "empty2"):
+            verdict, note = "inlined", "zeros (the contents are undefined)"
         elif name in NAMED_AXIS:
             verdict, note = "unsupported", message
         else:

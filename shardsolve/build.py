@@ -73,7 +73,7 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 
 from shardsolve.annotations import constraint_sharding
-from shardsolve.cost import COMBINE_COUNT, ReshardTables, collective_cost, fusion_classes, reshard_time_given
+from shardsolve.cost import COMBINE_COUNT, ReshardTables, collective_cost, fusion_classes, reshard_time_given, wire_type
 from shardsolve.errors import ShardsolveError
 from shardsolve.graph import Graph, Lit, Op, ScanBoundary, scan_counts
 from shardsolve.mesh import MeshSpec
@@ -760,10 +760,11 @@ class ProblemBuilder:
         for r in self.edge_reads:
             if r.consumer is not None and sums[r.consumer]:
                 continue
-            lat = tables.mergeable_latency(values[r.value].shape, values[r.value].wire_itemsize,
+            value = values[r.value]
+            lat = tables.mergeable_latency(value.shape, value.wire_itemsize,
                                            self.ids_at[((), r.value)] if r.src is None else r.src, r.dst)
-            if lat:
-                found.append((r, lat))
+            if lat:  # (XLA merges collectives of one element type: ``cost.wire_type``)
+                found.append((r, {(*k, wire_type(value.dtype)): t for k, t in lat.items()}))
         return found
 
     def share_merged_latency(self) -> None:
@@ -808,7 +809,7 @@ class ProblemBuilder:
             if merging < 2:
                 continue
             merging_by_key[key] = merging
-            kind, axes, _ = key
+            kind, axes = key[:2]
             c = collective_cost(kind, axes, mesh)
             aux = None
             for r, allowed, table in reads:

@@ -303,6 +303,22 @@ def wire_itemsize(dtype: Any) -> int:
     return dt.itemsize
 
 
+def wire_type(dtype: Any) -> tuple[str, int]:
+    """The element type a collective of ``dtype`` runs in on the default backend: its kind (``"f"`` float,
+    ``"c"`` complex, ``"i"``/``"u"`` signed/unsigned integer, ``"b"`` boolean) and ``wire_itemsize``.
+
+    XLA's combiners merge all-reduces of one element type only (a float32 and
+    an int32 or complex64 sum stay two collectives); a bfloat16 sum runs in
+    float32 on the CPU backend (``wire_itemsize``) and merges with float32 ones.
+    """
+    import jax.numpy as jnp
+
+    dt = np.dtype(dtype)
+    kind = next((k for k, t in (("c", jnp.complexfloating), ("f", jnp.floating), ("u", jnp.unsignedinteger),
+                                ("i", jnp.signedinteger), ("b", jnp.bool_)) if jnp.issubdtype(dt, t)), dt.kind)
+    return kind, wire_itemsize(dt)
+
+
 # -- reshard steps ---------------------------------------------------------------------
 
 
@@ -709,7 +725,8 @@ class ReshardTables:
                           dst: np.ndarray) -> dict[tuple, np.ndarray]:
         """The latency in ``table``'s seconds of collectives XLA may merge (``COMBINED_KINDS``), per merge key.
 
-        A key is (kind, axes, reduction); a merged collective pays its latency
+        A key is (kind, axes, reduction) (the caller adds the element type:
+        ``wire_type``); a merged collective pays its latency
         once for all its members. The returned arrays may be shared between
         edges: never modify them in place.
         """

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from shardsolve.cost import COMBINED_KINDS, collective_cost, collective_time, combine_groups
+from shardsolve.cost import COMBINED_KINDS, collective_cost, collective_time, combine_groups, wire_type
 from shardsolve.errors import ShardsolveError
 from shardsolve.export import named_tree, plan_jit
 from shardsolve.files import write_atomically
@@ -115,7 +115,7 @@ def combined_latencies(schedule: Schedule, pairs: list) -> set[int]:
     """Of the (demand, step) ``pairs`` (``schedule.collective_steps()``), those whose latency an earlier one pays.
 
     XLA merges independent collectives of ``cost.COMBINED_KINDS`` over the same
-    devices and reduction (``cost.combine_groups``), walking them in the post
+    devices and reduction, of one element type (``cost.wire_type``; ``cost.combine_groups``), walking them in the post
     order of the computation (``Graph.post_order``): a collective's place is
     just before its first reader's there. One depends on another when
     its value is computed from a reader of the other's result (``Graph.reaching``)
@@ -128,7 +128,8 @@ def combined_latencies(schedule: Schedule, pairs: list) -> set[int]:
     read: dict[tuple, list[int]] = {}  # scope -> the values its mergeable collectives read
     for d, step in pairs:
         mergeable = step.kind in COMBINED_KINDS and d.scope == d.site.scope and d.site.kind != ARGUMENT
-        keys.append((d.site.scope, step.axes, step.src.reduce_op) if mergeable else None)
+        wire = wire_type(schedule.graph_of(d.scope).values[d.value].dtype) if mergeable else None
+        keys.append((d.site.scope, step.axes, step.src.reduce_op, wire) if mergeable else None)
         if mergeable:
             read.setdefault(d.site.scope, []).append(d.value)
     below = {scope: (vs, schedule.graph_of(scope).reaching(vs)) for scope, vs in read.items()}

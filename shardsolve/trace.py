@@ -294,10 +294,17 @@ def _selected(eqn: Any, invals: Sequence[Any]) -> list[Any]:
     not the taken one's: branches that are cheap beside the program (an
     optimizer's every-k-steps update, a choice of activation) cost little
     more. An index out of range takes the last branch, as XLA's conditional
-    does.
+    does. A platform-dependent ``cond`` (``lax.platform_dependent``:
+    ``jnp.diagonal``'s for Pallas kernels) is the branch this backend lowers.
     """
     branches = eqn.params["branches"]
     index, operands = invals[0], invals[1:]
+    platforms = eqn.params.get("branches_platforms")
+    if platforms:  # ``lax.platform_dependent``: the branch this backend's lowering takes, alone
+        here = {jax.default_backend(), *(("cuda", "rocm") if jax.default_backend() == "gpu" else ())}
+        taken = next((k for k, names in enumerate(platforms) if names is not None and here & set(names)),
+                     next(k for k, names in enumerate(platforms) if names is None))
+        return eval_inlined(branches[taken].jaxpr, branches[taken].consts, *operands)
     outs = [eval_inlined(b.jaxpr, b.consts, *operands) for b in branches]
     if len(branches) == 1:
         return outs[0]
