@@ -14,7 +14,9 @@ wrapped into inside ``jax.random`` calls) become their key data: the
 interpreter runs ``random_bits``, ``random_split``, ``random_fold_in`` and
 ``random_seed`` as the key implementation's own computation on ``uint32``
 data (``threefry2x32`` and bit operations), and slices, reshapes and
-broadcasts of key arrays on that data with its trailing key dimensions. The
+broadcasts of key arrays on that data with its trailing key dimensions; a
+``scan``, a ``while`` loop or a ``cond`` that carries keys runs its body on
+their data too. The
 traced program then holds ordinary arrays only, and computes the same bits.
 
     >>> import jax, jax.numpy as jnp
@@ -199,7 +201,6 @@ def _on_key_data(eqn, invals: list) -> list | None:
     raise ShardsolveError(
         f"{name} on a PRNG key array ({keys.str_short() if eqn.invars else 'key'}) is not supported: "
         "pass the keys' data (jax.random.key_data) or the random bits themselves into this part of the program"
-        + (" (jax.random.poisson loops over its key: draw its samples outside the function)" if name == "while" else "")
     )
 
 
@@ -313,6 +314,25 @@ def _selected(eqn: Any, invals: Sequence[Any]) -> list[Any]:
     return [jax.lax.select_n(index, *(o[k] for o in outs)) for k in range(len(outs[0]))]
 
 
+def _touches_keys(eqn: Any) -> bool:
+    return any(key_impl(v.aval) is not None for v in (*eqn.invars, *eqn.outvars))
+
+
+def _scan_on_key_data(eqn: Any, invals: Sequence[Any]) -> list[Any]:
+    """A ``scan`` that carries or slices PRNG keys (a dropout key split layer by layer), its body run on the
+    keys' data like the rest of the program (see the module doc)."""
+    p = eqn.params
+    body, n_consts, n_carry = p["jaxpr"], p["num_consts"], p["num_carry"]
+    consts, init, xs = invals[:n_consts], list(invals[n_consts:n_consts + n_carry]), list(invals[n_consts + n_carry:])
+
+    def step(carry, x):
+        out = eval_inlined(body.jaxpr, body.consts, *consts, *carry, *x)
+        return out[:n_carry], out[n_carry:]
+
+    carry, ys = jax.lax.scan(step, init, xs, length=p["length"], reverse=p["reverse"], unroll=p["unroll"])
+    return list(carry) + list(ys)
+
+
 def _literal(x: Any) -> int | None:
     """The integer a jaxpr literal holds (None for a traced value or anything else)."""
     if isinstance(x, jcore.Literal):
@@ -415,6 +435,12 @@ def eval_inlined(jaxpr: Any, consts: Sequence[Any], *args: Any) -> list[Any]:
                 # ordinary arguments of the body: nothing to split off.
                 body, body_consts = _inner(eqn)
                 outvals = eval_inlined(body, body_consts, *invals)
+            elif eqn.primitive.name == "cond" and selectable(eqn):
+                outvals = _selected(eqn, invals)  # every branch, then the taken one's results
+            elif eqn.primitive.name == "while" and not carries_predicate(eqn):
+                outvals = _predicate_carried(eqn, invals)  # its body planned once, as a scan's
+            elif eqn.primitive.name == "scan" and _touches_keys(eqn):
+                outvals = _scan_on_key_data(eqn, invals)  # its body run on key data, as the program is
             elif (on_data := _on_key_data(eqn, invals)) is not None:
                 outvals = on_data
             elif eqn.primitive.name == "reshard" and _auto_only(eqn.params.get("dst_sharding")):
@@ -432,10 +458,6 @@ def eval_inlined(jaxpr: Any, consts: Sequence[Any], *args: Any) -> list[Any]:
                 outvals = empty  # no elements to compute: what it reads may go dead (``drop_dead_code``)
             elif eqn.primitive.name in ("empty", "empty2"):  # contents undefined: zeros are as good, and have a rule
                 outvals = [jax.lax.full(v.aval.shape, 0, v.aval.dtype) for v in eqn.outvars]
-            elif eqn.primitive.name == "cond" and selectable(eqn):
-                outvals = _selected(eqn, invals)  # every branch, then the taken one's results
-            elif eqn.primitive.name == "while" and not carries_predicate(eqn):
-                outvals = _predicate_carried(eqn, invals)  # its body planned once, as a scan's
             else:
                 outvals = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(eqn.params))
                 if not eqn.primitive.multiple_results:

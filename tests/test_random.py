@@ -87,29 +87,63 @@ def test_a_typed_key_argument_is_refused_in_one_line():
     assert "\n" not in str(e.value)
 
 
-def test_a_key_array_through_control_flow_is_refused_in_one_line():
+def _split_by_scan(x, seed):
+    def body(key, _):
+        key, sub = jax.random.split(key)
+        return key, jax.random.uniform(sub)
+
+    _, draws = jax.lax.scan(body, jax.random.key(seed), None, length=4)
+    return x * draws.sum()
+
+
+def _dropout_per_layer(x, seed):
+    """A key sliced per layer (``xs``) by a scan over layers."""
+    keys = jax.random.split(jax.random.key(seed), 3)
+    return jax.lax.scan(lambda h, k: (jnp.tanh(h) * jax.random.bernoulli(k, 0.9, h.shape), None), x, keys)[0]
+
+
+def _key_through_cond(x, seed):
+    key = jax.lax.cond(x.sum() > 0, lambda k: jax.random.split(k)[0], lambda k: k, jax.random.key(seed))
+    return x * jax.random.normal(key, x.shape)
+
+
+@pytest.mark.parametrize("fun", [_split_by_scan, _dropout_per_layer, _key_through_cond])
+def test_key_arrays_through_control_flow_run_on_their_data(fun):
+    """A key carried or sliced by a scan, or chosen by a cond, is run on its data like the rest of the program
+    (each was refused before): the plan draws the same bits."""
+    x = jax.random.normal(jax.random.key(1), (16, 8))
+    plan = shardsolve.plan(fun, x, jnp.int32(3), mesh=MESH, in_shardings=(P("data"), None))
+    report = shardsolve.verify(plan, x, jnp.int32(3))
+    assert report.ok, report
+    assert not plan.fallbacks
+
+
+def test_a_key_array_through_a_cond_kept_whole_is_refused_in_one_line():
     def f(x, seed):
-        def body(key, _):
-            key, sub = jax.random.split(key)
-            return key, jax.random.uniform(sub)
+        key = jax.lax.cond(x.sum() > 0, lambda k: jax.lax.while_loop(lambda k: False, lambda k: k, k), lambda k: k,
+                           jax.random.key(seed))
+        return x * jax.random.normal(key, x.shape)
 
-        _, draws = jax.lax.scan(body, jax.random.key(seed), None, length=4)
-        return x * draws.sum()
-
-    with pytest.raises(ShardsolveError, match=r"scan on a PRNG key array .*key_data") as e:
+    with pytest.raises(ShardsolveError, match=r"cond on a PRNG key array .*key_data") as e:
         shardsolve.plan(f, jnp.ones((8, 8)), jnp.int32(0), mesh=MESH)
     assert "\n" not in str(e.value)
 
 
-@pytest.mark.parametrize("draw, message", [
-    (lambda k: jax.random.gamma(k, 2.0, (16, 1)), r"random_gamma draws from a PRNG key inside the function"),
-    (lambda k: jax.random.poisson(k, 3.0, (16, 1)), r"while on a PRNG key array .*jax.random.poisson"),
-])
-def test_samplers_that_loop_over_their_keys_are_refused_in_one_line(draw, message):
-    """``jax.random.gamma`` (beta, dirichlet) and ``poisson`` loop over their keys where the planner cannot
-    follow them: one line says so, and how to pass the samples in (poisson raised an AttributeError before)."""
+def test_poisson_loops_over_its_keys_and_is_planned():
+    """``jax.random.poisson`` draws in a while loop over its keys (it raised an AttributeError once, and was
+    refused after): the loop is planned with its body, on the keys' data, and draws the same samples."""
     mu = jnp.ones((16, 8))
-    with pytest.raises(ShardsolveError, match=message) as e:
-        shardsolve.plan(lambda k, mu: mu * draw(k), jax.random.PRNGKey(1), mu, mesh="data=2,model=4",
-                        in_shardings=(None, P("data")))
+    plan = shardsolve.plan(lambda k, mu: mu * jax.random.poisson(k, 3.0, (16, 1)), jax.random.PRNGKey(1), mu,
+                           mesh="data=2,model=4", in_shardings=(None, P("data")))
+    assert shardsolve.verify(plan, jax.random.PRNGKey(1), mu).ok
+    assert not plan.fallbacks
+
+
+def test_samplers_that_loop_inside_a_primitive_are_refused_in_one_line():
+    """``jax.random.gamma`` (beta, dirichlet) loops over its keys inside a primitive the planner cannot follow:
+    one line says so, and how to pass the samples in."""
+    mu = jnp.ones((16, 8))
+    with pytest.raises(ShardsolveError, match=r"random_gamma draws from a PRNG key inside the function") as e:
+        shardsolve.plan(lambda k, mu: mu * jax.random.gamma(k, 2.0, (16, 1)), jax.random.PRNGKey(1), mu,
+                        mesh="data=2,model=4", in_shardings=(None, P("data")))
     assert "\n" not in str(e.value)
