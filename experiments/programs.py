@@ -23,6 +23,10 @@ annotation or anything the planner was tuned on:
 * ``segment_bag``: bags of embeddings summed by ``jax.ops.segment_sum``;
 * ``gnn``: message passing, node features gathered at both ends of every edge
   and the messages summed into the nodes (``segment_sum``);
+* ``accum_steps``: gradients accumulated, Adam applied every fourth step by
+  ``lax.cond`` (``optax.MultiSteps``' pattern);
+* ``decode_loop``: greedy decoding into a KV cache by ``lax.while_loop``
+  until every sequence has ended (a condition over the split batch);
 * ``constrained_lm``: a language model with MaxText-style activation
   constraints inside (``with_sharding_constraint`` with bare ``PartitionSpec``s),
   which propagation and the planner both hold.
@@ -352,7 +356,72 @@ def constrained_lm(size: str):
     return sgd(loss), (params, data), (None, BATCH)
 
 
+def accum_steps(size: str):
+    """Gradients accumulated over micro-steps, the Adam update applied every fourth step by ``lax.cond``
+    (``optax.MultiSteps``' pattern): the state (parameters, moments, accumulated gradient, counter) in and out."""
+    batch, d, hidden = (4096, 4096, 16384) if size == "large" else (16, 32, 64)
+    weights = {"w1": S((d, hidden), f32), "w2": S((hidden, d), f32)}
+    state = (weights, weights, weights, weights, S((), jnp.int32))
+    data = (S((batch, d), f32), S((batch, d), f32))
+
+    def loss(p, data):
+        x, y = data
+        return jnp.mean((jax.nn.gelu(x @ p["w1"]) @ p["w2"] - y) ** 2)
+
+    def step(state, data):
+        p, m, v, acc, n = state
+        value, g = jax.value_and_grad(loss)(p, data)
+        acc = jax.tree.map(jnp.add, acc, g)
+
+        def update(p, m, v, acc):
+            g = jax.tree.map(lambda a: a / 4, acc)
+            m = jax.tree.map(lambda a, b: 0.9 * a + 0.1 * b, m, g)
+            v = jax.tree.map(lambda a, b: 0.999 * a + 0.001 * b * b, v, g)
+            p = jax.tree.map(lambda q, a, b: q - 1e-3 * a / (jnp.sqrt(b) + 1e-8), p, m, v)
+            return p, m, v, jax.tree.map(jnp.zeros_like, acc)
+
+        p, m, v, acc = lax.cond(n % 4 == 3, update, lambda *s: s, p, m, v, acc)
+        return (p, m, v, acc, n + 1), value
+
+    return step, (state, data), (None, BATCH)
+
+
+def decode_loop(size: str):
+    """Greedy decoding into a KV cache by ``lax.while_loop`` until every sequence has drawn its end token (a
+    condition over the split batch) or the cache is full: ``((params, cache), prompt) -> ((params, cache),
+    tokens)``."""
+    batch, d, heads, seq, vocab = (64, 2048, 16, 1024, 32768) if size == "large" else (16, 32, 4, 8, 64)
+    hd = d // heads
+    params = {"embed": S((vocab, d), f32), "qkv": S((d, 3 * d), f32), "o": S((d, d), f32), "up": S((d, 4 * d), f32),
+              "down": S((4 * d, d), f32), "head": S((d, vocab), f32)}
+    cache = (S((batch, seq, heads, hd), f32), S((batch, seq, heads, hd), f32))
+
+    def step(state, prompt):
+        p, (ck, cv) = state
+
+        def body(c):
+            i, tok, done, ck, cv, out = c
+            x = jnp.take(p["embed"], tok, axis=0)
+            q, k, v = jnp.split(x @ p["qkv"], 3, axis=-1)
+            ck = lax.dynamic_update_slice(ck, k.reshape(batch, 1, heads, hd), (0, i, 0, 0))
+            cv = lax.dynamic_update_slice(cv, v.reshape(batch, 1, heads, hd), (0, i, 0, 0))
+            s = jnp.einsum("bhd,bthd->bht", q.reshape(batch, heads, hd), ck) / hd ** 0.5
+            s = jnp.where(jnp.arange(seq)[None, None] <= i, s, -1e9)
+            x = x + jnp.einsum("bht,bthd->bhd", jax.nn.softmax(s, -1), cv).reshape(batch, d) @ p["o"]
+            x = x + jax.nn.gelu(x @ p["up"]) @ p["down"]
+            tok = jnp.argmax(x @ p["head"], -1).astype(jnp.int32)
+            out = lax.dynamic_update_slice(out, tok[:, None], (0, i))
+            return i + 1, tok, done | (tok == 0), ck, cv, out
+
+        init = (0, prompt, jnp.zeros((batch,), bool), ck, cv, jnp.zeros((batch, seq), jnp.int32))
+        _, _, _, ck, cv, out = lax.while_loop(lambda c: (c[0] < seq) & ~jnp.all(c[2]), body, init)
+        return (p, (ck, cv)), out
+
+    return step, ((params, cache), S((batch,), jnp.int32)), ((None, (P("data"), P("data"))), P("data"))
+
+
 PROGRAMS: dict[str, Callable] = {"vit": vit, "gru": gru, "mixer": mixer, "twotower": twotower, "conv1d": conv1d,
                                  "remat_lm": remat_lm, "bf16_mlp": bf16_mlp, "adam_mlp": adam_mlp, "cnn2d": cnn2d,
                                  "moe_top2": moe_top2, "segment_bag": segment_bag, "gnn": gnn,
-                                 "constrained_lm": constrained_lm, "mobilenet": mobilenet}
+                                 "constrained_lm": constrained_lm, "mobilenet": mobilenet, "accum_steps": accum_steps,
+                                 "decode_loop": decode_loop}

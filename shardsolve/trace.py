@@ -342,32 +342,66 @@ def _literal(x: Any) -> int | None:
     return int(x)
 
 
-def static_trips(eqn: Any, init: Sequence[Any]) -> int | None:
-    """The trip count of a ``while`` loop that counts a carry from a literal to a literal bound
-    (``while i < n: i += step``, ``i`` changed by nothing else), which XLA infers too; None otherwise."""
+def _recast(eqn: Any) -> bool:
+    """Whether ``eqn`` only changes a value's weak type (``convert_element_type`` to its own dtype)."""
+    return (eqn.primitive.name == "convert_element_type" and len(eqn.invars) == 1
+            and not isinstance(eqn.invars[0], jcore.Literal)
+            and eqn.invars[0].aval.dtype == eqn.outvars[0].aval.dtype)
+
+
+def _uncast(var: Any, eqns: Sequence[Any]) -> Any:
+    """``var``, or the value it recasts (``_recast``), followed back."""
+    while not isinstance(var, jcore.Literal):
+        made = next((e for e in eqns if any(v is var for v in e.outvars)), None)
+        if made is None or not _recast(made):
+            break
+        var = made.invars[0]
+    return var
+
+
+def static_trips(eqn: Any, invals: Sequence[Any]) -> int | None:
+    """The trip count of a ``while`` loop that counts a carry from a constant to a constant bound by a
+    constant step (``while i < n: i += step``, or ``<=``; ``i`` changed by nothing else; each a literal or
+    a value known while tracing), which XLA infers too; None otherwise."""
     p = eqn.params
     cond, body = p["cond_jaxpr"].jaxpr, p["body_jaxpr"].jaxpr
-    if p["cond_nconsts"] or len(cond.eqns) != 1 or cond.outvars[0] is not cond.eqns[0].outvars[0]:
+    nc, nb = p["cond_nconsts"], p["body_nconsts"]
+    init = invals[nc + nb:]
+    tests = [e for e in cond.eqns if not _recast(e)]
+    if len(tests) != 1 or cond.outvars[0] is not tests[0].outvars[0] or p["cond_jaxpr"].consts:
         return None
-    test = cond.eqns[0]
-    a, b = test.invars
-    if test.primitive.name == "lt" and a in cond.invars:
-        k, bound = cond.invars.index(a), _literal(b)
-    elif test.primitive.name == "gt" and b in cond.invars:
-        k, bound = cond.invars.index(b), _literal(a)
-    else:
+
+    def position(var: Any, invars: Sequence[Any]) -> int | None:
+        return next((j for j, v in enumerate(invars) if v is var), None)
+
+    def constant(var: Any, invars: Sequence[Any], values: Sequence[Any]) -> int | None:
+        if isinstance(var, jcore.Literal):
+            return _literal(var)
+        j = position(var, invars)
+        return None if j is None or j >= len(values) else _literal(values[j])
+
+    test = tests[0]
+    a, b = (_uncast(v, cond.eqns) for v in test.invars)
+    name = test.primitive.name
+    counter, bound = (a, b) if name in ("lt", "le") else (b, a) if name in ("gt", "ge") else (None, None)
+    j = None if counter is None else position(counter, cond.invars)
+    if j is None or j < nc:
         return None
+    k = j - nc  # the counter's carry
+    limit = constant(bound, cond.invars, invals[:nc])
     start = _literal(init[k])
-    out = body.outvars[k]
-    made = [e for e in body.eqns if out in e.outvars]
-    if bound is None or start is None or len(made) != 1 or made[0].primitive.name != "add":
+    out = _uncast(body.outvars[k], body.eqns)
+    made = [e for e in body.eqns if any(v is out for v in e.outvars)]
+    if limit is None or start is None or len(made) != 1 or made[0].primitive.name != "add":
         return None
-    counter = body.invars[p["body_nconsts"] + k]
-    x, y = made[0].invars
-    step = _literal(y) if x is counter else _literal(x) if y is counter else None
+    limit += name in ("le", "ge")  # i <= n: i < n + 1
+    inside = body.invars[nb + k]
+    x, y = (_uncast(v, body.eqns) for v in made[0].invars)
+    other = y if x is inside else x if y is inside else None
+    step = None if other is None else constant(other, body.invars, invals[nc:nc + nb])
     if step is None or step <= 0:
         return None
-    return max(0, -(-(bound - start) // step))
+    return max(0, -(-(limit - start) // step))
 
 
 def carries_predicate(eqn: Any) -> bool:
@@ -393,7 +427,7 @@ def _predicate_carried(eqn: Any, invals: Sequence[Any]) -> list[Any]:
     cond, body = p["cond_jaxpr"], p["body_jaxpr"]
     nc, nb = p["cond_nconsts"], p["body_nconsts"]
     cond_consts, body_consts, init = invals[:nc], invals[nc:nc + nb], list(invals[nc + nb:])
-    trips = static_trips(eqn, init)
+    trips = static_trips(eqn, invals)
     if trips == 0:
         return init
     if trips is not None:  # a counted loop: a scan of that length, which XLA counts as many times

@@ -183,7 +183,12 @@ def _counted(x, w, start=1, bound=10, step=2):
     return lax.while_loop(lambda c: bound > c[1], lambda c: (jnp.tanh(c[0] @ w), step + c[1]), (x, start))[0]
 
 
-@pytest.mark.parametrize("fun, length", [(_while, 3), (_counted, 5), (lambda x, w: _counted(x, w, 12), None),
+def _counted_through(x, w):  # i <= 4 from 0: five runs
+    return lax.while_loop(lambda c: c[1] <= 4, lambda c: (jnp.tanh(c[0] @ w), c[1] + 1), (x, 0))[0]
+
+
+@pytest.mark.parametrize("fun, length", [(_while, 3), (_counted, 5), (_counted_through, 5),
+                                         (lambda x, w: _counted(x, w, 12), None),
                                          (_fori_dynamic, 1), (_while_until_small, 1)])
 def test_a_counted_while_loop_is_a_scan_of_its_trip_count(fun, length):
     """A loop from a literal to a literal bound (which XLA counts too) runs as a scan of its trip count; one
