@@ -393,7 +393,22 @@ class _Rewriter:
                      out_targets: Sequence[Sharding]) -> list:
         """Local shards of ``graph``'s outputs (laid out as ``out_targets``), given the layouts in ``table``."""
         mesh = self.mesh
-        tag, out_tag = ("ss", "ssout") if not scope else ("b", "bout")
+        out_tag = "ssout" if not scope else "bout"
+        self._lower_ops(scope, graph, lowered, table)
+        outs = []
+        for k, (x, s) in enumerate(zip(graph.outputs, out_targets)):
+            if isinstance(x, Lit):
+                outs.append(jnp.broadcast_to(jnp.asarray(x.value), s.local_shape(np.shape(x.value), mesh)))
+            else:
+                self._execute(self.schedule.at(Site(scope, OUTPUT, k)), table, {}, f"{out_tag}{k}")
+                outs.append(table[(x, s)].local)
+        return outs
+
+    def _lower_ops(self, scope: Scope, graph: Graph, lowered: Sequence[LoweredOp], table: Layouts) -> None:
+        """Run ``lowered`` (ops of ``graph``, in program order), each after its operands' demands; their
+        results land in ``table``."""
+        mesh = self.mesh
+        tag = "ss" if not scope else "b"
         for lo in lowered:
             op = lo.op
             where = f"{tag}{op.id}"
@@ -418,14 +433,6 @@ class _Rewriter:
                 shardings = lo.strategy.results
             for vid, local, s in zip(op.outputs, results, shardings):
                 self._define(table, graph, vid, local, s)
-        outs = []
-        for k, (x, s) in enumerate(zip(graph.outputs, out_targets)):
-            if isinstance(x, Lit):
-                outs.append(jnp.broadcast_to(jnp.asarray(x.value), s.local_shape(np.shape(x.value), mesh)))
-            else:
-                self._execute(self.schedule.at(Site(scope, OUTPUT, k)), table, {}, f"{out_tag}{k}")
-                outs.append(table[(x, s)].local)
-        return outs
 
     def _loop_invariants(self, scope: Scope, graph: Graph, lo: LoweredOp, table: Layouts,
                          where: str) -> dict[tuple[int, Sharding], Any]:
@@ -490,10 +497,109 @@ class _Rewriter:
             return outs[:n_carry], outs[n_carry:]
 
         if op.loop is not None:  # a while loop: its condition is its last carry, laid out alike on every device
+            split = _loop_parts(self.schedule, inner, body, lo.body, b)
+            if split is not None:
+                try:
+                    return self._while(inner, body, split, b, list(consts_l), list(carry_l), hoisted)
+                except ShardsolveError:  # a layout one part makes and the other reads: run it as planned
+                    pass
             return list(jax.lax.while_loop(lambda carry: carry[-1], lambda carry: step(carry, [])[0], list(carry_l)))
         kw = {"reverse": bool(p.get("reverse", False)), "unroll": p.get("unroll", 1)}
         new_carry, ys = jax.lax.scan(step, list(carry_l), list(xs_l), length=int(p["length"]), **kw)
         return list(new_carry) + list(ys)
+
+
+    def _while(self, inner: Scope, body: Graph, split: tuple, b: ScanBoundary, consts_l: list, carry_l: list,
+               hoisted: dict[tuple[int, Sharding], Any]) -> list:
+        """A while loop planned with its condition carried (``trace._predicate_carried``), run as the loop it
+        was: the condition's ops in ``jax.lax.while_loop``'s condition, the body's in its body, the selects
+        and the flag left out (``_loop_parts`` says where that runs the same collectives)."""
+        cond_ops, body_ops, selects = split
+
+        def table_of(state) -> Layouts:
+            table: Layouts = {}
+            for vid, x, s in zip(body.inputs, consts_l + list(state), b.body_inputs):
+                self._define(table, body, vid, x, s)
+            for k, s in enumerate(b.body_consts):
+                table[(body.consts[k], s)] = self._body_const(body, k, s)
+            for (vid, s), local in hoisted.items():
+                self._define(table, body, vid, local, s)
+            return table
+
+        def condition(state):
+            table = table_of(state)
+            self._lower_ops(inner, body, cond_ops, table)
+            k = len(b.carry) - 1
+            self._execute(self.schedule.at(Site(inner, OUTPUT, k)), table, {}, f"bout{k}")
+            return table[(body.outputs[k], b.body_outputs[k])].local
+
+        def step(state):
+            table = table_of(state)
+            self._lower_ops(inner, body, body_ops, table)
+            new = []
+            for i, lo in enumerate(selects):
+                x, target = lo.op.inputs[2], lo.strategy.operands[2]
+                if isinstance(x, Lit):
+                    new.append(jnp.broadcast_to(jnp.asarray(x.value), target.local_shape(np.shape(x.value), self.mesh)))
+                    continue
+                demands = [d for d in self.schedule.at(Site(inner, OPERANDS, lo.op.id)) if d.value == x]
+                self._execute(demands, table, {}, f"b{lo.op.id}")
+                new.append(table[(x, target)].local)
+            return tuple(new)
+
+        state = jax.lax.while_loop(condition, step, tuple(carry_l[:-1]))
+        return list(state) + [jnp.zeros((), bool)]
+
+
+def _loop_parts(schedule: Schedule, inner: Scope, body: Graph, lowered: Sequence[LoweredOp],
+                b: ScanBoundary) -> tuple[list, list, list] | None:
+    """The condition's ops, the body's ops and the selects of a while loop's body planned with its condition
+    carried (``trace._predicate_carried``), where running the first two apart (``Rewriter._while``) runs
+    exactly the planned collectives: an op both parts read reshards nothing (it runs in each), each select
+    keeps its carry's layout and reads the old carry and the condition as they are; None otherwise (the loop
+    then runs as planned, flag and selects included).
+    """
+    n_consts, n_carry = len(b.consts), len(b.carry)
+    outs, lo_of = body.outputs, {lo.op.id: lo for lo in lowered}
+    producer = {v: op for op in body.ops for v in op.outputs}
+    pred = outs[n_carry - 1]
+    flag = body.inputs[n_consts + n_carry - 1]
+    if isinstance(pred, Lit) or body.consumers.get(flag):
+        return None
+    selects = []
+    for i in range(n_carry - 1):
+        sel = None if isinstance(outs[i], Lit) else producer.get(outs[i])
+        if (sel is None or sel.primitive != "select_n" or len(sel.inputs) != 3 or sel.inputs[0] != pred
+                or sel.inputs[1] != body.inputs[n_consts + i] or lo_of[sel.id].strategy is None):
+            return None
+        st = lo_of[sel.id].strategy
+        carry = b.carry[i]
+        if st.results[0] != carry or st.operands[1] != carry or st.operands[2] != carry or any(
+                d.steps for d in schedule.at(Site(inner, OPERANDS, sel.id)) if d.value in (pred, sel.inputs[1])):
+            return None
+        if any(d.steps for d in schedule.at(Site(inner, OUTPUT, i))):
+            return None
+        selects.append(lo_of[sel.id])
+
+    def ancestors(values) -> set[int]:
+        seen: set[int] = set()
+        stack = [v for v in values if not isinstance(v, Lit)]
+        while stack:
+            op = producer.get(stack.pop())
+            if op is not None and op.id not in seen:
+                seen.add(op.id)
+                stack.extend(x for x in op.inputs if not isinstance(x, Lit))
+        return seen
+
+    in_cond = ancestors([pred])
+    in_body = ancestors([lo.op.inputs[2] for lo in selects])
+    chosen = {lo.op.id for lo in selects}
+    if chosen & (in_cond | in_body) or len(in_cond | in_body | chosen) != len(body.ops):
+        return None
+    # An op both parts read (``y * y - a`` of Newton's step and of its test) runs in each, where it reshards nothing.
+    if any(d.steps for k in in_cond & in_body for d in schedule.at(Site(inner, OPERANDS, k))):
+        return None
+    return ([lo for lo in lowered if lo.op.id in in_cond], [lo for lo in lowered if lo.op.id in in_body], selects)
 
 
 class InOwnMesh:

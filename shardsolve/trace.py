@@ -413,15 +413,19 @@ def carries_predicate(eqn: Any) -> bool:
 
 
 def _predicate_carried(eqn: Any, invals: Sequence[Any]) -> list[Any]:
-    """A ``while`` loop as one whose condition is its last carry: ``cond(init)`` computed before the loop, and
-    the body computing ``cond`` of the carry it makes, so that the condition is part of the body; a loop
-    that counts from a literal to a literal (``static_trips``) as a scan of its trip count.
+    """A ``while`` loop as one whose condition is its last carry, so that the condition is part of the body;
+    a loop that counts from a constant to a constant (``static_trips``) as a scan of its trip count.
 
-    The loop is the same (the same iterations, the same results), and its
-    body, condition included, is one program the planner plans like a scan's
+    The carry gains a flag, true at first; each iteration computes the
+    condition of the carry it is given, the body's new carry, and keeps the
+    new carry where the condition held (``select``), the old one where it did
+    not, the flag set to the condition: the same results. Its body, condition
+    included, is one program the planner plans like a scan's
     (``graph.Graph.from_jaxpr``): the carries keep their layouts from one
     iteration to the next and the condition's reductions are among the body's
-    collectives.
+    collectives. The rewriter runs it as the loop it was
+    (``lower.Rewriter._while``): the condition's part of the body in the
+    loop's condition, the rest in its body, the selects and the flag left out.
     """
     p = eqn.params
     cond, body = p["cond_jaxpr"], p["body_jaxpr"]
@@ -436,15 +440,13 @@ def _predicate_carried(eqn: Any, invals: Sequence[Any]) -> list[Any]:
 
         return list(jax.lax.scan(counted, init, None, length=trips)[0])
 
-    def condition(carry):
-        (pred,) = eval_inlined(cond.jaxpr, cond.consts, *cond_consts, *carry)
-        return pred
-
     def step(state):
-        carry = eval_inlined(body.jaxpr, body.consts, *body_consts, *state[:-1])
-        return (*carry, condition(carry))
+        carry = state[:-1]
+        (go,) = eval_inlined(cond.jaxpr, cond.consts, *cond_consts, *carry)
+        new = eval_inlined(body.jaxpr, body.consts, *body_consts, *carry)
+        return (*(jax.lax.select(go, n, c) for n, c in zip(new, carry)), go)
 
-    return list(jax.lax.while_loop(lambda state: state[-1], step, (*init, condition(init))))[:-1]
+    return list(jax.lax.while_loop(lambda state: state[-1], step, (*init, np.bool_(True))))[:-1]
 
 
 def eval_inlined(jaxpr: Any, consts: Sequence[Any], *args: Any) -> list[Any]:

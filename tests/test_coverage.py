@@ -199,6 +199,34 @@ def test_a_counted_while_loop_is_a_scan_of_its_trip_count(fun, length):
     assert check_lowering(plan, (x, w)).numerics_ok
 
 
+def _newton_sqrt(a, y):
+    """Newton's step and its test read the same ``y * y - a``: it runs in the loop's condition and in its body."""
+    def step(c):
+        y, it = c
+        return y - (y * y - a) / (2 * y), it + 1
+
+    return lax.while_loop(lambda c: (jnp.max(jnp.abs(c[0] * c[0] - a)) > 1e-4) & (c[1] < 50), step, (y, 0))
+
+
+@pytest.mark.parametrize("fun", [_while_until_small, _newton_sqrt])
+def test_a_while_loop_runs_its_condition_in_the_loops_condition(fun):
+    """The condition planned inside the body (``trace._predicate_carried``) runs where the loop tests it: its
+    all-reduce in the compiled loop's condition, no select and no flag in the body, and exactly the planned
+    collectives."""
+    x, w = jnp.abs(_x(64, 8)) + 1.0, jnp.abs(_x(64, 8, key=1)) + 1.0
+    if fun is _while_until_small:
+        w = _x(8, 8, key=1) / 8**0.5
+    plan = shardsolve.plan(fun, x, w, mesh=MESH, in_shardings=(P("data"), P("data") if fun is _newton_sqrt else None),
+                           time_limit=10)
+    text = plan.jit().lower(x, w).as_text()
+    loop = text[text.index("stablehlo.while"):]
+    condition, body = loop[:loop.index("} do {")], loop[loop.index("} do {"):]
+    assert "all_reduce" in condition
+    assert "stablehlo.select" not in body[:body.index("stablehlo.return")]
+    outcome = check_lowering(plan, (x, w))
+    assert outcome.numerics_ok and outcome.collectives_ok, (outcome.max_rel, outcome.predicted, outcome.lowered)
+
+
 def test_a_while_loop_keeps_its_carry_split():
     """The loop's carry stays split over the batch as it was pinned: no collective gathers it (the fallback
     replicated the whole carry); a condition over the split batch costs one all-reduce of a scalar a step."""
