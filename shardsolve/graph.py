@@ -97,7 +97,8 @@ class Op:
         return tuple(k for k, x in enumerate(self.inputs) if isinstance(x, Lit))
 
     def name(self) -> str:
-        return f"%{self.id} {self.primitive if self.loop is None else 'while'}" + (f" [{self.source}]" if self.source else "")
+        primitive = self.primitive if self.loop is None else "while"
+        return f"%{self.id} {primitive}" + (f" [{self.source}]" if self.source else "")
 
     def where(self) -> str:
         """The user's source line that made the op (``"file:line"``), or "" where JAX kept none."""

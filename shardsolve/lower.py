@@ -27,7 +27,10 @@ A planned ``scan`` runs as ``jax.lax.scan`` over local shards, its body
 lowered like the program. The schedule's ``LOOP_INVARIANTS`` demands (the
 layouts its body reads loop invariants in) run once before the loop and are
 handed to the body's table, without relying on XLA's loop-invariant code
-motion and CSE.
+motion and CSE. A ``while`` loop planned as a scan (``graph.as_scan``) runs
+as ``jax.lax.while_loop``: its condition's ops in the loop's condition, the
+rest in its body (``_Rewriter._while``), or, where that would run other
+collectives than planned, its body as planned, flag and selects included.
 
     plan = shardsolve.plan(step, params, batch, mesh="data=2,model=4",
                            in_shardings=(None, P("data")))
@@ -554,7 +557,7 @@ class _Rewriter:
 def _loop_parts(schedule: Schedule, inner: Scope, body: Graph, lowered: Sequence[LoweredOp],
                 b: ScanBoundary) -> tuple[list, list, list] | None:
     """The condition's ops, the body's ops and the selects of a while loop's body planned with its condition
-    carried (``trace._predicate_carried``), where running the first two apart (``Rewriter._while``) runs
+    carried (``trace._predicate_carried``), where running the first two apart (``_Rewriter._while``) runs
     exactly the planned collectives: an op both parts read reshards nothing (it runs in each), each select
     keeps its carry's layout and reads the old carry and the condition as they are; None otherwise (the loop
     then runs as planned, flag and selects included).

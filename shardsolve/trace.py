@@ -424,7 +424,7 @@ def _predicate_carried(eqn: Any, invals: Sequence[Any]) -> list[Any]:
     (``graph.Graph.from_jaxpr``): the carries keep their layouts from one
     iteration to the next and the condition's reductions are among the body's
     collectives. The rewriter runs it as the loop it was
-    (``lower.Rewriter._while``): the condition's part of the body in the
+    (``lower._Rewriter._while``): the condition's part of the body in the
     loop's condition, the rest in its body, the selects and the flag left out.
     """
     p = eqn.params

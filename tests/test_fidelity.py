@@ -334,7 +334,8 @@ def test_merges_priced_as_the_plan_makes_them_when_optimism_misleads(models_dir)
     optimistic = planner.search_once(built, 10, 0, True, None)
     counts = built.merge_counts(optimistic.assignment)
     F32 = ("f", 4)  # a merge key names the element type (``cost.wire_type``)
-    assert counts[("all-reduce", ("data", "model"), "sum", F32)] == 1 and counts[("all-reduce", ("data",), "sum", F32)] > 1
+    assert counts[("all-reduce", ("data", "model"), "sum", F32)] == 1
+    assert counts[("all-reduce", ("data",), "sum", F32)] > 1
     assert built.priced_for({}).problem.evaluate(optimistic.assignment) == pytest.approx(
         built.plain().problem.evaluate(optimistic.assignment))
 
