@@ -961,15 +961,20 @@ class ProblemBuilder:
 
     def add_ties(self, ties: Sequence[tuple[int, int]]) -> None:
         """(argument leaf, output leaf) pairs take the same sharding, as JAX lays them out at the boundary (an
-        argument split unevenly arrives evened, ``Sharding.evened``): a forbidden cost off the diagonal."""
+        argument split unevenly arrives evened, ``Sharding.evened``; a pin over a mesh axis of one device is the
+        layout without it, ``Sharding.without_unit_axes``): a forbidden cost off the diagonal."""
+        mesh = self.mesh
         for arg_leaf, out_leaf in ties:
             if out_leaf not in self.output_node:
                 continue
             value = self.graph.inputs[arg_leaf]
             u, v = self.value_node[value], self.output_node[out_leaf]
             shape = self.graph.values[value].shape
-            same = tie_table(self.infos[u].shardings, self.infos[v].shardings,
-                             lambda a, b: a.evened(shape, self.mesh) == b.evened(shape, self.mesh))
+
+            def layout(s: Sharding) -> Sharding:
+                return s.evened(shape, mesh).without_unit_axes(mesh)
+
+            same = tie_table(self.infos[u].shardings, self.infos[v].shardings, lambda a, b: layout(a) == layout(b))
             self.edges[(u, v)] = self.edges[(u, v)] + same if (u, v) in self.edges else same
 
     # -- operations --------------------------------------------------------------------

@@ -140,6 +140,15 @@ class Sharding:
         return Sharding(tuple(() if d in uneven else axes for d, axes in enumerate(self.dims)), self.partial,
                         self.reduce_op)
 
+    def without_unit_axes(self, mesh: MeshSpec) -> Sharding:
+        """This sharding with the mesh axes of size 1 left out: the same layout (``P("data")`` on a mesh whose
+        ``data`` has one device is ``P()``)."""
+        if all(mesh.axis_size(a) > 1 for a in (*self.axes, *self.partial)):
+            return self
+        keep = tuple(a for a in self.partial if mesh.axis_size(a) > 1)
+        return Sharding(tuple(tuple(a for a in d if mesh.axis_size(a) > 1) for d in self.dims), keep,
+                        self.reduce_op if keep else "sum")
+
     def local_shape(self, shape: Sequence[int], mesh: MeshSpec) -> tuple[int, ...]:
         """Per-device shape (dimensions padded up where the split is uneven)."""
         return tuple(-(-size // mesh.group_size(axes)) if axes else size for size, axes in zip(shape, self.dims))

@@ -471,3 +471,14 @@ def test_a_token_sliced_from_a_split_sequence_moves_only_that_token():
     token = 4 * 32 * 4 // 2  # one token per example, of the data shard
     assert all(c.bytes <= token for c in plan.collectives), [(c.kind, c.bytes) for c in plan.collectives]
     _close(plan.jit()(x, w), head(x, w))
+
+
+def test_a_pin_over_a_mesh_axis_of_one_device_holds_through_a_carry():
+    """``P("data")`` on a mesh whose ``data`` has one device is the replicated layout: an argument pinned so and
+    carried to an output (``carry``) ties to that output's layout (it was called infeasible)."""
+    x = jnp.ones((16, 8))
+    for f in (lambda x: x * 2, lambda x: jax.lax.while_loop(lambda h: h.sum() < 1000, lambda h: h * 2, x)):
+        plan = shardsolve.plan(f, x, mesh="data=1,model=8", in_shardings=(P("data"),), carry=((0, 0),),
+                               time_limit=10)
+        assert plan.outputs[0].without_unit_axes(plan.mesh) == plan.inputs[0].without_unit_axes(plan.mesh)
+        assert shardsolve.verify(plan, x).ok
