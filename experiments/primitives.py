@@ -163,7 +163,7 @@ def main() -> int:
             verdict, note = "planned body", "body planned once, costs times the trip count"
         elif name == "while":
             verdict, note = "planned body", ("body and condition planned once as a scan's (a loop counted from a "
-                                             "literal to a literal: a scan of its trip count)")
+                                             "constant to a constant: a scan of its trip count)")
         elif name == "cond":
             verdict, note = "planned body", ("every branch planned, the taken one's results selected; a branch "
                                              "with a while loop falls back (operands replicated, reported)")
