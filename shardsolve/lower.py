@@ -511,7 +511,6 @@ class _Rewriter:
         new_carry, ys = jax.lax.scan(step, list(carry_l), list(xs_l), length=int(p["length"]), **kw)
         return list(new_carry) + list(ys)
 
-
     def _while(self, inner: Scope, body: Graph, split: tuple, b: ScanBoundary, consts_l: list, carry_l: list,
                hoisted: dict[tuple[int, Sharding], Any]) -> list:
         """A while loop planned with its condition carried (``trace._predicate_carried``), run as the loop it
@@ -540,10 +539,11 @@ class _Rewriter:
             table = table_of(state)
             self._lower_ops(inner, body, body_ops, table)
             new = []
-            for i, lo in enumerate(selects):
+            for lo in selects:
                 x, target = lo.op.inputs[2], lo.strategy.operands[2]
                 if isinstance(x, Lit):
-                    new.append(jnp.broadcast_to(jnp.asarray(x.value), target.local_shape(np.shape(x.value), self.mesh)))
+                    shape = target.local_shape(np.shape(x.value), self.mesh)
+                    new.append(jnp.broadcast_to(jnp.asarray(x.value), shape))
                     continue
                 demands = [d for d in self.schedule.at(Site(inner, OPERANDS, lo.op.id)) if d.value == x]
                 self._execute(demands, table, {}, f"b{lo.op.id}")

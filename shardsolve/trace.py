@@ -315,6 +315,7 @@ def _selected(eqn: Any, invals: Sequence[Any]) -> list[Any]:
 
 
 def _touches_keys(eqn: Any) -> bool:
+    """Whether ``eqn`` reads or makes a PRNG key array."""
     return any(key_impl(v.aval) is not None for v in (*eqn.invars, *eqn.outvars))
 
 
