@@ -482,3 +482,19 @@ def test_a_pin_over_a_mesh_axis_of_one_device_holds_through_a_carry():
                                time_limit=10)
         assert plan.outputs[0].without_unit_axes(plan.mesh) == plan.inputs[0].without_unit_axes(plan.mesh)
         assert shardsolve.verify(plan, x).ok
+
+
+def test_a_convolution_by_fft_runs_as_planned():
+    """An FFT convolution's kernel gradient: the plan runs (XLA's CPU FFT once refused the transposed layout it
+    gave the inverse transform of a pending sum) and matches the unsharded step."""
+    def step(k, x):
+        def loss(k):
+            y = jnp.fft.irfft(jnp.fft.rfft(x, axis=1) * jnp.fft.rfft(k, axis=0)[None], n=x.shape[1], axis=1)
+            return jnp.mean(y ** 2)
+
+        value, grad = jax.value_and_grad(loss)(k)
+        return k - 0.1 * grad, value
+
+    k, x = jax.random.normal(jax.random.key(0), (32, 64)), jax.random.normal(jax.random.key(1), (16, 32, 64))
+    plan = shardsolve.plan(step, k, x, mesh="data=2,model=4", in_shardings=(None, P("data")), time_limit=10)
+    assert shardsolve.verify(plan, k, x).ok

@@ -58,9 +58,14 @@ def batched_rule(op: OpView) -> Rule | None:
 
 def fft_rule(op: OpView) -> Rule | None:
     """``fft`` over the trailing ``len(fft_lengths)`` dimensions, batched over the leading ones: those split, the
-    transformed ones stay whole (a real transform's result is shorter, ``n // 2 + 1``). Linear in its operand:
-    FFT(A1 + A2) = FFT(A1) + FFT(A2). FLOPs as XLA's cost analysis counts them: 8 per element of the operand
-    (an inverse real transform's shorter complex one too) times the product of the transformed lengths' log2."""
+    transformed ones stay whole (a real transform's result is shorter, ``n // 2 + 1``). FLOPs as XLA's cost
+    analysis counts them: 8 per element of the operand (an inverse real transform's shorter complex one too)
+    times the product of the transformed lengths' log2.
+
+    The transform is linear, FFT(A1 + A2) = FFT(A1) + FFT(A2), but a pending sum is not carried through it:
+    XLA's CPU layout assignment gave the inverse real transform of one (a convolution's kernel gradient taken
+    by FFT) a transposed operand layout, which its FFT thunk refuses when the program runs
+    (``IsMonotonicWithDim0Major``); the sum is reduced first, as propagation's program does."""
     lengths = tuple(op.params["fft_lengths"])
     shape, out = op.in_shapes[0], op.out_shapes[0]
     k = len(lengths)
@@ -71,7 +76,7 @@ def fft_rule(op: OpView) -> Rule | None:
     operand = batch + [b.new(n, replicate=True) for n in shape[len(shape) - k:]]
     result = batch + [b.new(n, replicate=True) for n in out[len(out) - k:]]
     logs = math.prod(max(1.0, math.log2(max(n, 2))) for n in lengths)
-    return b.build([operand], [result], linear=((0,),), flops=8.0 * math.prod(shape) * logs)
+    return b.build([operand], [result], flops=8.0 * math.prod(shape) * logs)
 
 
 RULES: dict[str, Callable[[OpView], Rule | None]] = {
