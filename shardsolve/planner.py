@@ -57,7 +57,9 @@ def _op_plans(g: Graph, built: Built, a: Sequence[int], scope: tuple, fallbacks:
         if sn is not None:
             b = sn.boundary(built.nodes, a)
             body = _op_plans(sn.body, built, a, scope + (op.id,), fallbacks)
-            ops.append(OpPlan(op.primitive, b.operands, b.results, f"body planned once, x{sn.length}", False,
+            how = (f"body planned once, x{sn.length}" if op.loop is None
+                   else "while loop: body and condition planned once, counted once")
+            ops.append(OpPlan(op.primitive, b.operands, b.results, how, False,
                               body=body, length=sn.length, body_consts=b.body_consts))
             continue
         idx = built.op_node_of(scope, op.id)
