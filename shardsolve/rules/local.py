@@ -249,10 +249,7 @@ def _slice(call: LocalCall, operands: list) -> list:
         import jax.numpy as jnp
 
         offset = call.shard_index(axes) * local[d]
-        at = starts[d] + strides[d] * jnp.arange(out[d], dtype=jnp.int32) - offset
-        held = (at >= 0) & (at < local[d])
-        x = jnp.take(x, jnp.clip(at, 0, local[d] - 1), axis=d)
-        x = jnp.where(_along(held, d, x.ndim), x, jnp.zeros((), x.dtype))
+        x = _masked_take(x, starts[d] + strides[d] * jnp.arange(out[d], dtype=jnp.int32) - offset, d)
         starts[d], limits[d], strides[d], masked = 0, out[d], 1, True
     if not masked:
         return call.bind(operands, limit_indices=tuple(limits))
@@ -287,6 +284,17 @@ def _along(mask: Any, d: int, ndim: int):
     return mask.reshape(tuple(-1 if k == d else 1 for k in range(ndim)))
 
 
+def _masked_take(x: Any, at: Any, d: int) -> Any:
+    """The elements of ``x`` at local positions ``at`` along dimension ``d``, zeros where ``at`` falls outside
+    this device's stretch (a masked lookup: the partial sum of a slice along a split dimension)."""
+    import jax.numpy as jnp
+
+    local = x.shape[d]
+    held = (at >= 0) & (at < local)
+    x = jnp.take(x, jnp.clip(at, 0, local - 1), axis=d)
+    return jnp.where(_along(held, d, x.ndim), x, jnp.zeros((), x.dtype))
+
+
 def _dynamic_slice(call: LocalCall, operands: list) -> list:
     """Split dimensions narrower than the window: the window's elements this device holds, zeros elsewhere
     (the rule's partial sum); the others sliced as usual."""
@@ -300,12 +308,8 @@ def _dynamic_slice(call: LocalCall, operands: list) -> list:
     sizes = call.op.params["slice_sizes"]
     x = operand
     for d in split:
-        local = operand.shape[d]
-        start, offset = _stretch(call, d, starts[d], sizes[d], local)
-        at = start + jnp.arange(sizes[d], dtype=jnp.int32) - offset
-        held = (at >= 0) & (at < local)
-        x = jnp.take(x, jnp.clip(at, 0, local - 1), axis=d)
-        x = jnp.where(_along(held, d, x.ndim), x, jnp.zeros((), x.dtype))
+        start, offset = _stretch(call, d, starts[d], sizes[d], operand.shape[d])
+        x = _masked_take(x, start + jnp.arange(sizes[d], dtype=jnp.int32) - offset, d)
     rest = [jnp.zeros((), s.dtype) if d in split else s for d, s in enumerate(starts)]
     return [lax.dynamic_slice(x, rest, call.out_local_shape())]
 
