@@ -489,13 +489,7 @@ class _Rewriter:
         inner = scope + (op.id,)
 
         def step(carry, xs):
-            table: Layouts = {}
-            for vid, x, s in zip(body.inputs, list(consts_l) + list(carry) + list(xs), b.body_inputs):
-                self._define(table, body, vid, x, s)
-            for k, s in enumerate(b.body_consts):
-                table[(body.consts[k], s)] = self._body_const(body, k, s)
-            for (vid, s), local in hoisted.items():
-                self._define(table, body, vid, local, s)
+            table = self._body_table(body, b, list(consts_l) + list(carry) + list(xs), hoisted)
             outs = self._lower_graph(inner, body, lo.body, table, b.body_outputs)
             return outs[:n_carry], outs[n_carry:]
 
@@ -511,6 +505,19 @@ class _Rewriter:
         new_carry, ys = jax.lax.scan(step, list(carry_l), list(xs_l), length=int(p["length"]), **kw)
         return list(new_carry) + list(ys)
 
+    def _body_table(self, body: Graph, b: ScanBoundary, inputs: list,
+                    hoisted: dict[tuple[int, Sharding], Any]) -> Layouts:
+        """The layouts a loop body starts an iteration with: its inputs (those given: a while loop's condition
+        and body leave out its flag), its closed-over constants and the loop invariants made before the loop."""
+        table: Layouts = {}
+        for vid, x, s in zip(body.inputs, inputs, b.body_inputs):
+            self._define(table, body, vid, x, s)
+        for k, s in enumerate(b.body_consts):
+            table[(body.consts[k], s)] = self._body_const(body, k, s)
+        for (vid, s), local in hoisted.items():
+            self._define(table, body, vid, local, s)
+        return table
+
     def _while(self, inner: Scope, body: Graph, split: tuple, b: ScanBoundary, consts_l: list, carry_l: list,
                hoisted: dict[tuple[int, Sharding], Any]) -> list:
         """A while loop planned with its condition carried (``trace._predicate_carried``), run as the loop it
@@ -518,25 +525,15 @@ class _Rewriter:
         and the flag left out (``_loop_parts`` says where that runs the same collectives)."""
         cond_ops, body_ops, selects = split
 
-        def table_of(state) -> Layouts:
-            table: Layouts = {}
-            for vid, x, s in zip(body.inputs, consts_l + list(state), b.body_inputs):
-                self._define(table, body, vid, x, s)
-            for k, s in enumerate(b.body_consts):
-                table[(body.consts[k], s)] = self._body_const(body, k, s)
-            for (vid, s), local in hoisted.items():
-                self._define(table, body, vid, local, s)
-            return table
-
         def condition(state):
-            table = table_of(state)
+            table = self._body_table(body, b, consts_l + list(state), hoisted)
             self._lower_ops(inner, body, cond_ops, table)
             k = len(b.carry) - 1
             self._execute(self.schedule.at(Site(inner, OUTPUT, k)), table, {}, f"bout{k}")
             return table[(body.outputs[k], b.body_outputs[k])].local
 
         def step(state):
-            table = table_of(state)
+            table = self._body_table(body, b, consts_l + list(state), hoisted)
             self._lower_ops(inner, body, body_ops, table)
             new = []
             for lo in selects:
@@ -562,16 +559,22 @@ def _loop_parts(schedule: Schedule, inner: Scope, body: Graph, lowered: Sequence
     keeps its carry's layout and reads the old carry and the condition as they are; None otherwise (the loop
     then runs as planned, flag and selects included).
     """
+    import networkx as nx
+
     n_consts, n_carry = len(b.consts), len(b.carry)
     outs, lo_of = body.outputs, {lo.op.id: lo for lo in lowered}
-    producer = {v: op for op in body.ops for v in op.outputs}
+
+    def producer(x) -> Op | None:
+        value = None if isinstance(x, Lit) else body.values[x]
+        return body.ops[value.producer] if value is not None and value.kind == "result" else None
+
     pred = outs[n_carry - 1]
     flag = body.inputs[n_consts + n_carry - 1]
     if isinstance(pred, Lit) or body.consumers.get(flag):
         return None
     selects = []
     for i in range(n_carry - 1):
-        sel = None if isinstance(outs[i], Lit) else producer.get(outs[i])
+        sel = producer(outs[i])
         if (sel is None or sel.primitive != "select_n" or len(sel.inputs) != 3 or sel.inputs[0] != pred
                 or sel.inputs[1] != body.inputs[n_consts + i] or lo_of[sel.id].strategy is None):
             return None
@@ -584,15 +587,12 @@ def _loop_parts(schedule: Schedule, inner: Scope, body: Graph, lowered: Sequence
             return None
         selects.append(lo_of[sel.id])
 
+    dataflow = body.to_networkx()
+
     def ancestors(values) -> set[int]:
-        seen: set[int] = set()
-        stack = [v for v in values if not isinstance(v, Lit)]
-        while stack:
-            op = producer.get(stack.pop())
-            if op is not None and op.id not in seen:
-                seen.add(op.id)
-                stack.extend(x for x in op.inputs if not isinstance(x, Lit))
-        return seen
+        """The ops that make ``values``, and every op those read from."""
+        made = {op.id for op in map(producer, values) if op is not None}
+        return made | {k for m in made for kind, k in nx.ancestors(dataflow, ("op", m)) if kind == "op"}
 
     in_cond = ancestors([pred])
     in_body = ancestors([lo.op.inputs[2] for lo in selects])
