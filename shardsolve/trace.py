@@ -674,17 +674,24 @@ def trace(fun: Callable, *args: Any, mesh: Any = None) -> Traced:
     )
 
 
+def _rewritten(eqn: Any) -> bool:
+    """Whether ``eval_inlined`` runs ``eqn`` other than by binding it as it is (a body holding none is kept)."""
+    name = eqn.primitive.name
+    return (name in INLINED or name in ("reshard", "name", "custom_linear_solve", "empty", "empty2")
+            or (name == "reshape" and eqn.params.get("dimensions") is not None)
+            or (name == "while" and not carries_predicate(eqn)) or (name == "cond" and selectable(eqn))
+            or _touches_keys(eqn) or _empty_results(eqn) is not None)
+
+
 def inline_closed(closed: Any) -> Any:
     """A control-flow body (closed jaxpr) with nested calls inlined, duplicates merged, dead code dropped.
 
-    Used for ``scan`` bodies, which ``trace`` keeps as one structured equation. A ``while`` loop in them
-    carries its condition and a ``cond`` runs as a select, as in the program (``_predicate_carried``,
-    ``_selected``).
+    Used for ``scan`` bodies, which ``trace`` keeps as one structured equation. Every equation the program's
+    interpreter rewrites is rewritten in them too (``_rewritten``): a ``while`` loop carries its condition, a
+    ``cond`` runs as a select, ``checkpoint_name`` is the identity it is, keys run on their data.
     """
     jaxpr = closed.jaxpr
-    if not any(e.primitive.name in INLINED or e.primitive.name == "reshard"
-               or (e.primitive.name == "while" and not carries_predicate(e))
-               or (e.primitive.name == "cond" and selectable(e)) for e in jaxpr.eqns):
+    if not any(_rewritten(e) for e in jaxpr.eqns):
         return drop_dead_code(merge_duplicates(closed))
     avals = [v.aval for v in jaxpr.invars]
 

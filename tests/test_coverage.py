@@ -288,3 +288,23 @@ def test_a_shard_map_inside_the_function_is_refused_in_one_line():
     with pytest.raises(shardsolve.ShardsolveError, match=r"jax.shard_map at .*test_coverage.py:\d+: a region") as info:
         shardsolve.plan(f, jax.ShapeDtypeStruct((8, 4), jnp.float32), mesh="data=2,model=4")
     assert "\n" not in str(info.value)
+
+
+def test_a_scan_body_is_rewritten_as_the_program_is():
+    """Every equation the program's trace rewrites is rewritten in a scan body too: ``checkpoint_name`` there
+    is the identity it is (it fell back, replicating the carry), a ``while`` loop and a ``cond`` are planned."""
+    from jax.ad_checkpoint import checkpoint_name
+
+    def f(x, w):
+        def body(h, _):
+            h = checkpoint_name(jnp.tanh(h @ w), "act")
+            h = lax.cond(h.sum() > 0, jnp.sin, jnp.cos, h)
+            return lax.while_loop(lambda g: jnp.max(jnp.abs(g)) > 0.5, lambda g: 0.5 * g, h), None
+
+        return lax.scan(body, x, None, length=3)[0]
+
+    x, w = _x(16, 8), _x(8, 8, key=1) / 8**0.5
+    plan = shardsolve.plan(f, x, w, mesh=MESH, in_shardings=(P("data"), None), time_limit=10)
+    assert plan.fallbacks == ()
+    outcome = check_lowering(plan, (x, w))
+    assert outcome.numerics_ok and outcome.collectives_ok, (outcome.max_rel, outcome.predicted, outcome.lowered)
