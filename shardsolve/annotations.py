@@ -32,7 +32,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from shardsolve.errors import ShardsolveError
 from shardsolve.mesh import MeshSpec
 from shardsolve.sharding import Sharding
-from shardsolve.trace import leaf_names
+from shardsolve.trace import key_dims, leaf_names
 
 Pins = list[tuple[Sharding | None, str]]  # per flattened leaf: the pinned sharding (None: free) and its label
 
@@ -122,10 +122,23 @@ def leaf_paths(tree_def: Any) -> list[str]:
     return leaf_names(tree_def)
 
 
-def _pins(annotations: Any, tree_def: Any, avals: Sequence[Any], mesh: MeshSpec, what: str) -> Pins:
+def _pins(annotations: Any, tree_def: Any, avals: Sequence[Any], mesh: MeshSpec, what: str,
+          keys: Sequence[str | None] = ()) -> Pins:
     pins: Pins = []
-    for ann, path, aval in zip(broadcast_annotations(annotations, tree_def, what), leaf_paths(tree_def), avals):
+    keys = tuple(keys) or (None,) * len(avals)
+    for ann, path, aval, key in zip(broadcast_annotations(annotations, tree_def, what), leaf_paths(tree_def), avals,
+                                    keys):
         label = f"{what}{path}"
+        if key is not None and ann is not None and not isinstance(ann, Sharding):
+            # A typed key is planned on its data (``trace.key_data_leaves``): its annotation names the key's
+            # dimensions, and the data's trailing ones stay whole.
+            rank = len(aval.shape) - key_dims(key)
+            spec = tuple(ann.spec if isinstance(ann, NamedSharding) else ann)
+            if len(spec) > rank:
+                raise ShardsolveError(
+                    f"{label}: {PartitionSpec(*spec)} names {len(spec)} dimensions of a PRNG key array of rank "
+                    f"{rank}; give at most {rank}"
+                )
         s = to_sharding(ann, tuple(aval.shape), mesh, label)
         pins.append((s, f"{label} = {s.to_spec()}" if s is not None else label))
     return pins
@@ -133,17 +146,17 @@ def _pins(annotations: Any, tree_def: Any, avals: Sequence[Any], mesh: MeshSpec,
 
 def argument_pins(traced: Any, in_shardings: Any, mesh: MeshSpec) -> Pins:
     """(pinned sharding or None, label) per flattened argument of a ``trace.Traced`` program."""
-    return _pins(in_shardings, traced.in_tree, traced.in_avals, mesh, "in_shardings")
+    return _pins(in_shardings, traced.in_tree, traced.in_avals, mesh, "in_shardings", traced.in_keys)
 
 
 def hint_pins(traced: Any, hints: Any, mesh: MeshSpec) -> Pins:
     """(hinted sharding or None, label) per flattened argument: ``plan``'s ``hints``, read as ``in_shardings``."""
-    return _pins(hints, traced.in_tree, traced.in_avals, mesh, "hints")
+    return _pins(hints, traced.in_tree, traced.in_avals, mesh, "hints", traced.in_keys)
 
 
 def output_pins(traced: Any, out_shardings: Any, mesh: MeshSpec) -> Pins:
     """(pinned sharding or None, label) per flattened output of a ``trace.Traced`` program."""
-    return _pins(out_shardings, traced.out_tree, traced.out_avals, mesh, "out_shardings")
+    return _pins(out_shardings, traced.out_tree, traced.out_avals, mesh, "out_shardings", traced.out_keys)
 
 
 def _leaf_ranges(tree_def: Any) -> list[tuple[int, int]] | None:

@@ -82,6 +82,7 @@ from shardsolve.rules import fallback_rule, rule_for
 from shardsolve.rules.elementwise import POINTWISE
 from shardsolve.rules.base import Rule, Strategy, strategies_of
 from shardsolve.sharding import Sharding, candidate_shardings
+from shardsolve.trace import key_dims
 from shardsolve.workspace import may_need_scratch, prefetch, scratch_bytes, workspace_ratio
 
 Scope = tuple[int, ...]  # () for the program; (k, ...) inside the body of scan op k, ...
@@ -428,9 +429,12 @@ def replicated_scan_time(graph: Graph, op: Op, mesh: MeshSpec) -> float:
     return total * int(op.params["length"])
 
 
-def candidates(shape: tuple[int, ...], mesh: MeshSpec, pinned: Sharding | None) -> tuple[Sharding, ...]:
-    """The candidate shardings of an argument or output, the pinned one included."""
+def candidates(shape: tuple[int, ...], mesh: MeshSpec, pinned: Sharding | None, whole: int = 0) -> tuple[Sharding, ...]:
+    """The candidate shardings of an argument or output, the pinned one included; ``whole``: how many trailing
+    dimensions stay unsplit (a typed PRNG key's data, which crosses the boundary as the key)."""
     cands = candidate_shardings(shape, mesh)
+    if whole:
+        cands = [c for c in cands if not any(c.dims[len(shape) - whole:])]
     if pinned is not None and pinned not in cands:
         cands.append(pinned)
     return tuple(cands)
@@ -914,11 +918,12 @@ class ProblemBuilder:
 
     def add_arguments(self, in_pins: Pins) -> None:
         graph, mesh = self.graph, self.mesh
-        for vid, (pinned, label) in [(v, in_pins[k]) for k, v in enumerate(graph.inputs)] + [
-            (v, (None, "")) for v in graph.consts
+        keys = getattr(graph.traced, "in_keys", ()) or (None,) * len(graph.inputs)
+        for vid, (pinned, label), key in [(v, in_pins[k], keys[k]) for k, v in enumerate(graph.inputs)] + [
+            (v, (None, ""), None) for v in graph.consts
         ]:
             value = graph.values[vid]
-            cands = candidates(value.shape, mesh, pinned)
+            cands = candidates(value.shape, mesh, pinned, key_dims(key))
             # An uneven argument arrives evened (JAX lays out no uneven split at a jit boundary): that buffer stays live.
             usage = np.array([s.evened(value.shape, mesh).local_bytes(value.shape, value.itemsize, mesh)
                               for s in cands], dtype=np.float64)
@@ -935,12 +940,13 @@ class ProblemBuilder:
 
     def add_outputs(self, out_pins: Pins) -> None:
         graph, mesh, tables = self.graph, self.mesh, self.tables
+        keys = getattr(graph.traced, "out_keys", ()) or (None,) * len(graph.outputs)
         for k, x in enumerate(graph.outputs):
             if isinstance(x, Lit):
                 continue
             value = graph.values[x]
             pinned, label = out_pins[k]
-            cands = candidates(value.shape, mesh, pinned)
+            cands = candidates(value.shape, mesh, pinned, key_dims(keys[k]))
             producer = self.produced_at[((), x)][0]
             # XLA allocates each output for the whole program (``memory_analysis()`` counts it in full): its
             # bytes are here, not its producer's (a scan's boundary nodes hold its outputs too: counted twice).

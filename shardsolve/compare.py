@@ -514,7 +514,7 @@ def compare(
 
             def build_plan() -> Any:
                 jitted = bound.jit()
-                return jitted.flat, tuple(jax.tree_util.tree_leaves(jax.tree.map(abstractify, args)))
+                return jitted.flat, tuple(jitted.flatten(jax.tree.map(abstractify, args)))  # typed keys as data
 
             out.append(compile_column("shardsolve", build_plan, spec, limit))
     say("done")

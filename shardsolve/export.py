@@ -35,13 +35,14 @@ from __future__ import annotations
 from typing import Any, Callable, Sequence
 
 import jax
-from jax.sharding import NamedSharding
+from jax.sharding import NamedSharding, PartitionSpec
 
 from shardsolve.errors import ShardsolveError
 from shardsolve.graph import Lit, ScanBoundary
 from shardsolve.lower import InOwnMesh, lower
 from shardsolve.schedule import is_planned_scan
 from shardsolve.sharding import Sharding
+from shardsolve.trace import key_data_leaves, key_dims, wrapped_keys
 
 
 def named(mesh: Any, sharding: Sharding) -> NamedSharding:
@@ -66,11 +67,22 @@ def named_tree(plan, shardings: tuple[Sharding, ...], which: str) -> Any:
     bound to its traced program gives a flat tuple.
     """
     mesh = plan.mesh.jax_mesh()
-    leaves = [named(mesh, s) for s in boundary(plan, which, shardings)]
+    keys = plan.signature.in_keys if which == "in" else plan.signature.out_keys
+    leaves = [named(mesh, s) if not keys or keys[k] is None else key_named(mesh, s, keys[k])
+              for k, s in enumerate(boundary(plan, which, shardings))]
     traced = plan.graph.traced if plan.graph is not None else None
     if traced is None:
         return tuple(leaves)
     return jax.tree_util.tree_unflatten(traced.in_tree if which == "in" else traced.out_tree, leaves)
+
+
+def key_named(mesh: Any, data: Sharding, key: str) -> NamedSharding:
+    """The ``NamedSharding`` of a typed PRNG key leaf whose data the plan lays out as ``data`` (its trailing key
+    dimensions whole, ``build.candidates``)."""
+    spec = tuple(data.to_spec())
+    rank = data.ndim - key_dims(key)
+    assert not any(spec[rank:]), f"a key's data split on its trailing dimensions: {data}"
+    return NamedSharding(mesh, PartitionSpec(*spec[:rank]))
 
 
 def pinned_function(plan, mesh: Any) -> Callable:
@@ -174,12 +186,16 @@ def plan_jit(plan, execution: str = "lowered", **jit_kwargs) -> Callable:
     out_flat = [named(mesh, s) for s in boundary(plan, "out")]
     flat_jit = InOwnMesh(jax.jit(run, in_shardings=in_flat, out_shardings=out_flat, **jit_kwargs), mesh)
 
-    def call(*args):
+    def flatten(args) -> list:  # typed keys as their data, as the program takes them
         leaves, tree = jax.tree_util.tree_flatten(args)
         if tree != traced.in_tree:
             raise ShardsolveError(f"arguments do not match the plan's structure: expected {traced.in_tree}, got {tree}")
-        return jax.tree_util.tree_unflatten(traced.out_tree, flat_jit(*leaves))
+        return key_data_leaves(leaves, traced.in_keys)
 
-    call.lower = lambda *args: flat_jit.lower(*jax.tree_util.tree_leaves(args))  # type: ignore[attr-defined]
+    def call(*args):
+        return jax.tree_util.tree_unflatten(traced.out_tree, wrapped_keys(flat_jit(*flatten(args)), traced.out_keys))
+
+    call.lower = lambda *args: flat_jit.lower(*flatten(args))  # type: ignore[attr-defined]
     call.flat = flat_jit  # type: ignore[attr-defined]
+    call.flatten = flatten  # type: ignore[attr-defined]
     return call

@@ -90,6 +90,7 @@ from shardsolve.schedule import (
     is_planned_scan,
 )
 from shardsolve.sharding import Sharding
+from shardsolve.trace import key_data_leaves, wrapped_keys
 
 AxisIndex = Callable[[str], Any]
 
@@ -670,11 +671,11 @@ def lower(plan, **jit_kwargs) -> Callable:
     flat_jit = InOwnMesh(jax.jit(flat_program, in_shardings=tuple(in_named[: len(plan.inputs)]),
                                  out_shardings=tuple(out_named), **jit_kwargs), mesh)
 
-    def flatten(args) -> list:
+    def flatten(args) -> list:  # typed keys as their data, as the program takes them
         leaves, tree = jax.tree_util.tree_flatten(args)
         if tree != traced.in_tree:
             raise ShardsolveError(f"arguments do not match the plan's structure: expected {traced.in_tree}, got {tree}")
-        return leaves
+        return key_data_leaves(leaves, traced.in_keys)
 
     def laid_out(leaves: list) -> list:
         out = []
@@ -689,7 +690,7 @@ def lower(plan, **jit_kwargs) -> Callable:
 
     def call(*args):
         flat = flat_jit(*laid_out(flatten(args)))
-        return jax.tree_util.tree_unflatten(traced.out_tree, list(flat))
+        return jax.tree_util.tree_unflatten(traced.out_tree, wrapped_keys(flat, traced.out_keys))
 
     call.lower = lambda *args: flat_jit.lower(*laid_out(flatten(args)))  # type: ignore[attr-defined]
     call.flat = flat_jit  # type: ignore[attr-defined]

@@ -252,6 +252,10 @@ class Signature:
     out_avals: tuple[tuple[tuple[int, ...], str], ...]
     in_tree: str
     out_tree: str
+    # Per flattened argument and output: the PRNG implementation of a typed key leaf (its avals above are its
+    # key data's, as the program takes and gives it: ``trace.key_data_leaves``), or None; () where none is a key.
+    in_keys: tuple[str | None, ...] = ()
+    out_keys: tuple[str | None, ...] = ()
 
     @classmethod
     def of(cls, traced) -> Signature:
@@ -260,15 +264,22 @@ class Signature:
             tuple((tuple(a.shape), str(a.dtype)) for a in traced.out_avals),
             str(traced.in_tree),
             str(traced.out_tree),
+            tuple(traced.in_keys),
+            tuple(traced.out_keys),
         )
 
     def to_json(self) -> dict:
-        return {
+        d = {
             "in_avals": [[list(s), d] for s, d in self.in_avals],
             "out_avals": [[list(s), d] for s, d in self.out_avals],
             "in_tree": self.in_tree,
             "out_tree": self.out_tree,
         }
+        if self.in_keys:
+            d["in_keys"] = list(self.in_keys)
+        if self.out_keys:
+            d["out_keys"] = list(self.out_keys)
+        return d
 
     @classmethod
     def from_json(cls, d: dict) -> Signature:
@@ -277,6 +288,8 @@ class Signature:
             tuple((tuple(s), t) for s, t in d["out_avals"]),
             d["in_tree"],
             d["out_tree"],
+            tuple(d.get("in_keys", ())),
+            tuple(d.get("out_keys", ())),
         )
 
     def mismatch(self, other: Signature) -> str | None:
@@ -288,7 +301,9 @@ class Signature:
                 return f"argument leaf {k} is {b[1]}{list(b[0])} but the plan was made for {a[1]}{list(a[0])}"
         if self.in_tree != other.in_tree:
             return "the arguments' pytree structure differs from the plan's"
-        if self.out_avals != other.out_avals:
+        if self.in_keys != other.in_keys:
+            return "the function's PRNG key arguments differ from the plan's"
+        if self.out_avals != other.out_avals or self.out_keys != other.out_keys:
             return "the function's outputs differ from the plan's"
         return None
 

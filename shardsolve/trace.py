@@ -16,8 +16,10 @@ interpreter runs ``random_bits``, ``random_split``, ``random_fold_in`` and
 data (``threefry2x32`` and bit operations), and slices, reshapes and
 broadcasts of key arrays on that data with its trailing key dimensions; a
 ``scan``, a ``while`` loop or a ``cond`` that carries keys runs its body on
-their data too. The
-traced program then holds ordinary arrays only, and computes the same bits.
+their data too. Typed key arguments and results are the program's key data
+(``Traced.in_keys``, ``out_keys``; ``key_data_leaves`` and ``wrapped_keys``
+cross that boundary). The traced program then holds ordinary arrays only, and
+computes the same bits.
 
     >>> import jax, jax.numpy as jnp
     >>> t = trace(lambda x: jax.jit(jnp.sin)(x) * 2, jax.ShapeDtypeStruct((4,), jnp.float32))
@@ -51,6 +53,10 @@ class Traced:
     in_avals: tuple  # ShapedArray per flattened input
     out_avals: tuple  # ShapedArray per flattened output
     needs_mesh: bool = False  # traced only with the plan's mesh as JAX's context mesh (``trace``)
+    # Per flattened input and output: the PRNG implementation's name (``"threefry2x32"``) of a typed key
+    # leaf, which the program takes or gives as its key data (``key_data_leaves``), or None.
+    in_keys: tuple = ()
+    out_keys: tuple = ()
 
 
 def leaf_names(tree_def: Any, prefix: str = "") -> list[str]:
@@ -124,6 +130,57 @@ def key_impl(aval: Any) -> Any:
     if dtype is None or not jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
         return None
     return dtype._impl
+
+
+def key_name(leaf: Any) -> str | None:
+    """The PRNG implementation's name (``"threefry2x32"``) of a typed key leaf, or None for any other."""
+    impl = key_impl(leaf)
+    return None if impl is None else impl.name
+
+
+def key_dims(name: str | None) -> int:
+    """How many trailing dimensions the data of a key of implementation ``name`` adds (0 for None)."""
+    return 0 if name is None else len(key_impl(jax.eval_shape(lambda: jax.random.key(0, impl=name))).key_shape)
+
+
+def key_data_leaves(leaves: Sequence[Any], keys: Sequence[str | None]) -> list[Any]:
+    """``leaves`` with each typed key (``keys[i]`` its implementation's name; ``()`` for none) as its key data:
+    arrays and tracers by ``jax.random.key_data``, ``ShapeDtypeStruct``s by their data's shape and dtype.
+
+    The planned program takes key arguments, and gives key results, as their data; ``wrapped_keys`` undoes it.
+    """
+    if not any(keys):
+        return list(leaves)
+    out = list(leaves)
+    for i, name in enumerate(keys):
+        if name is None:
+            continue
+        x = out[i]
+        if key_impl(x) is None:
+            continue  # the data already (e.g. a flat program's own argument)
+        if isinstance(x, jax.ShapeDtypeStruct):
+            data = jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct(x.shape, x.dtype))
+            out[i] = jax.ShapeDtypeStruct(data.shape, data.dtype, sharding=_data_sharding(x.sharding, name))
+        else:
+            out[i] = jax.random.key_data(x)
+    return out
+
+
+def _data_sharding(sharding: Any, name: str) -> Any:
+    """A key leaf's ``NamedSharding`` as its data's: the key data's trailing dimensions whole."""
+    if not isinstance(sharding, jax.sharding.NamedSharding):
+        return None
+    spec = tuple(sharding.spec) + (None,) * key_dims(name)
+    return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*spec))
+
+
+def wrapped_keys(leaves: Sequence[Any], keys: Sequence[str | None]) -> list[Any]:
+    """``leaves`` with each key result (``keys[i]`` its implementation's name) given back as a typed key from its
+    data (``jax.random.wrap_key_data``)."""
+    if not any(keys):
+        return list(leaves)
+    return [x if name is None or key_impl(x) is not None else jax.random.wrap_key_data(x, impl=name)
+            for x, name in zip(leaves, keys)]
 
 
 def _prng():
@@ -621,12 +678,6 @@ def trace(fun: Callable, *args: Any, mesh: Any = None) -> Traced:
         raise ShardsolveError(f"expected a function to plan, got {type(fun).__name__}")
     abstract = jax.tree_util.tree_map(abstractify, args)
     leaves, in_tree = jax.tree_util.tree_flatten(abstract)
-    for name, leaf in zip(leaf_names(in_tree, "args"), leaves):
-        if key_impl(leaf) is not None:
-            raise ShardsolveError(
-                f"{name} is a typed PRNG key array ({leaf.dtype}{list(leaf.shape)}): pass its data instead, "
-                "jax.random.key_data(key), and rebuild the key inside the function with jax.random.wrap_key_data"
-            )
     needs_mesh = False
     try:
         nested, out_shape = jax.make_jaxpr(fun, return_shape=True)(*abstract)
@@ -645,18 +696,14 @@ def trace(fun: Callable, *args: Any, mesh: Any = None) -> Traced:
         except Exception as e:
             raise ShardsolveError(f"tracing the function failed: {type(e).__name__}: {str(e).splitlines()[0]}") from e
     out_tree = jax.tree_util.tree_structure(out_shape)
-    for name, leaf in zip(leaf_names(out_tree, "outputs"), jax.tree_util.tree_leaves(out_shape)):
-        if key_impl(leaf) is not None:
-            raise ShardsolveError(
-                f"{name} is a typed PRNG key array ({leaf.dtype}{list(leaf.shape)}): return its data instead, "
-                "jax.random.key_data(key)"
-            )
+    in_keys = tuple(key_name(leaf) for leaf in leaves)
+    out_keys = tuple(key_name(leaf) for leaf in jax.tree_util.tree_leaves(out_shape))
 
-    def flat(*flat_args):
+    def flat(*flat_args):  # key arguments arrive, and key results leave, as their data (see ``_on_key_data``)
         return eval_inlined(nested.jaxpr, nested.consts, *flat_args)
 
     with in_mesh(mesh) if needs_mesh else contextlib.nullcontext():
-        closed = drop_dead_code(merge_duplicates(jax.make_jaxpr(flat)(*leaves)))
+        closed = drop_dead_code(merge_duplicates(jax.make_jaxpr(flat)(*key_data_leaves(leaves, in_keys))))
     explicit = _explicitly_sharded(closed.jaxpr)
     if explicit:
         raise ShardsolveError(
@@ -671,6 +718,8 @@ def trace(fun: Callable, *args: Any, mesh: Any = None) -> Traced:
         in_avals=tuple(v.aval for v in closed.jaxpr.invars),
         out_avals=tuple(v.aval for v in closed.jaxpr.outvars),
         needs_mesh=needs_mesh,
+        in_keys=in_keys if any(in_keys) else (),
+        out_keys=out_keys if any(out_keys) else (),
     )
 
 

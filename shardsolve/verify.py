@@ -47,6 +47,7 @@ import numpy as np
 from shardsolve.errors import ShardsolveError
 from shardsolve.hlo import HloCollective, collectives_from_hlo, inventory
 from shardsolve.lower import attribution, emitted_collectives, lower
+from shardsolve.trace import key_data_leaves, key_impl, key_name
 
 Inventory = dict[tuple[str, tuple[str, ...]], int]
 
@@ -164,8 +165,17 @@ def check_arguments(plan, args: Sequence[Any]) -> list[Any]:
             "pass the arguments the plan was made for"
         )
     leaves = []
-    for (path, x), (shape, dtype) in zip(leaves_with_paths, plan.signature.in_avals):
+    keys = plan.signature.in_keys or (None,) * len(leaves_with_paths)
+    for (path, x), (shape, dtype), key in zip(leaves_with_paths, plan.signature.in_avals, keys):
         name = "args" + jax.tree_util.keystr(path)
+        if key is not None:
+            if key_name(x) != key:
+                raise ShardsolveError(f"argument {name} must be a PRNG key array of implementation {key}, as the "
+                                      "plan was made for; pass one (jax.random.key)")
+            x = key_data_leaves([x], [key])[0]  # checked as the data the program takes
+        elif key_impl(x) is not None:
+            raise ShardsolveError(f"argument {name} is a PRNG key array where the plan was made for "
+                                  f"{dtype}{list(shape)}; pass the arguments the plan was made for")
         got_shape = tuple(int(d) for d in np.shape(x)) if not hasattr(x, "shape") else tuple(x.shape)
         # as JAX takes it: a Python float is float32, a float64 array float32, without jax_enable_x64
         got_dtype = str(jax.dtypes.canonicalize_dtype(x.dtype if hasattr(x, "dtype") else np.result_type(x)))
@@ -242,8 +252,10 @@ def _numerics(lowered_out, pinned_out, expected, rtol, atol, computed_in=None) -
 
 
 def _leaves_with_paths(tree: Any) -> tuple[list[Any], list[str]]:
+    """Output leaves (typed PRNG keys as their data, compared bit for bit) and their names."""
     flat, _ = jax.tree_util.tree_flatten_with_path(tree)
-    return [x for _, x in flat], ["outputs" + jax.tree_util.keystr(p) for p, _ in flat]
+    return ([jax.random.key_data(x) if key_impl(x) is not None else x for _, x in flat],
+            ["outputs" + jax.tree_util.keystr(p) for p, _ in flat])
 
 
 # -- attribution of differences ----------------------------------------------------------
@@ -411,7 +423,10 @@ def _pinned_differences(plan, found: Sequence[HloCollective]) -> list[Difference
 
 def _reference(plan, args: tuple) -> Any:
     """The unsharded function's outputs; where it runs only under a context mesh (a bare ``PartitionSpec`` in a
-    ``with_sharding_constraint``), under the plan's, as ``trace`` traced it."""
+    ``with_sharding_constraint``), under the plan's, as ``trace`` traced it. It gets the arguments' containers
+    rebuilt: a function that writes into boxes it is given (Flax NNX's ``merge`` and ``update`` of a ``State``)
+    changes those copies, not the arguments the planned program then runs on."""
+    args = jax.tree.map(lambda x: x, args)
     if not plan.graph.traced.needs_mesh:
         return plan.fun(*args)
     with jax.set_mesh(plan.mesh.devices_mesh("verify")):

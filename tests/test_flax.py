@@ -143,6 +143,51 @@ def test_apply_plan_lays_out_a_live_module(nnx_plan, pinned_plan) -> None:
     assert any(s.spec != P() and any(s.spec) for s in got)  # something is split
 
 
+class DropoutMLP(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+        self.up = nnx.Linear(16, 64, rngs=rngs)
+        self.drop = nnx.Dropout(0.25, rngs=rngs)
+        self.down = nnx.Linear(64, 16, rngs=rngs)
+
+    def __call__(self, x):
+        return self.down(self.drop(jax.nn.relu(self.up(x))))
+
+
+def test_a_module_with_dropout_plans_with_its_rng_state_in_the_carry() -> None:
+    """NNX keeps a dropout stream's key (a typed PRNG key) and counter in the module's state: the whole state,
+    keys included, goes round the training step, planned on the key's data and handed back as a key."""
+    with nnx.use_eager_sharding(False):
+        model = DropoutMLP(nnx.Rngs(0, dropout=1))
+    graphdef, state = nnx.split(model)
+
+    def step(state, x, y):
+        m = nnx.merge(graphdef, state, copy=True)
+        loss, grads = nnx.value_and_grad(lambda m: jnp.mean((m(x) - y) ** 2))(m)
+        _, params, _ = nnx.split(m, nnx.Param, ...)
+        nnx.update(m, jax.tree.map(lambda p, g: p - 0.1 * g, params, grads))
+        return nnx.state(m), loss
+
+    x = jnp.arange(32 * 16, dtype=jnp.float32).reshape(32, 16) / 512
+    args = (state, x, jnp.cos(x))
+    plan = shardsolve.plan(step, *args, mesh=MESH, in_shardings=(None, P("data"), P("data")), carry=((0, 0),))
+    assert "args[0]['drop']['rngs']['key']" in plan.input_names
+    assert "threefry2x32" in plan.signature.in_keys
+    report = shardsolve.verify(plan, *args)
+    assert report.ok, report
+    want = jax.jit(step)(*args)
+    for run in (plan.jit(), jax.jit(step, in_shardings=plan.in_shardings, out_shardings=plan.out_shardings)):
+        got = run(*args)
+        for a, b in zip(jax.tree_util.tree_leaves(want), jax.tree_util.tree_leaves(got), strict=True):
+            if jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key):
+                a, b = jax.random.key_data(a), jax.random.key_data(b)
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=2e-6)
+    # the step's next key is the one the unplanned step hands on: the stream advances as written
+    assert int(got[0]["drop"]["rngs"]["count"][...]) == int(state["drop"]["rngs"]["count"][...]) + 1
+    live = DropoutMLP(nnx.Rngs(0, dropout=1))
+    ssflax.apply_plan(live, plan, argument=0)
+    assert isinstance(live.drop.rngs.key[...].sharding, NamedSharding)
+
+
 def test_a_pinned_parameter_sets_its_names_rule(pinned_plan) -> None:
     plan = pinned_plan
     rules = dict(plan.logical_axis_rules)

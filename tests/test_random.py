@@ -80,11 +80,62 @@ def test_typed_keys_made_split_indexed_and_folded_inside_draw_the_same_bits():
     np.testing.assert_allclose(np.asarray(plan.jit()(x, seed)), np.asarray(f(x, seed)), rtol=1e-5)
 
 
-def test_a_typed_key_argument_is_refused_in_one_line():
-    x = jnp.ones((8, 8))
-    with pytest.raises(ShardsolveError, match=r"args\[1\] is a typed PRNG key array .*jax.random.key_data") as e:
-        shardsolve.plan(lambda x, k: x * jax.random.normal(k, x.shape), x, jax.random.key(0), mesh=MESH)
+def _step_with_a_typed_key(w, x, key):
+    """Dropout from a typed key argument, which the step splits and hands back for the next step."""
+    key, sub = jax.random.split(key)
+    h = jnp.tanh(x @ w)
+    return jnp.where(jax.random.bernoulli(sub, 0.75, h.shape), h / 0.75, 0.0).sum(0), key
+
+
+def test_a_typed_key_argument_and_result_are_planned_on_their_data_and_cross_the_boundary_as_keys(tmp_path):
+    w = jnp.arange(16 * 64, dtype=jnp.float32).reshape(16, 64) / 1024
+    x = jnp.arange(32 * 16, dtype=jnp.float32).reshape(32, 16) / 512
+    key = jax.random.key(3)
+    plan = shardsolve.plan(_step_with_a_typed_key, w, x, key, mesh=MESH, in_shardings=(None, P("data"), None),
+                           carry=((2, 1),), time_limit=10)
+    assert plan.signature.in_keys == (None, None, "threefry2x32")
+    assert plan.signature.out_keys == (None, "threefry2x32")
+    assert plan.signature.in_avals[2] == ((2,), "uint32")  # the program takes the key's data
+    # The boundary is the key's: a NamedSharding of the key's rank, usable by jax.jit as it is.
+    assert plan.in_shardings[2].spec == P() and plan.out_shardings[1].spec == P()
+    want = _step_with_a_typed_key(w, x, key)
+    for run in (plan.jit(), plan.jit(execution="pinned"),
+                jax.jit(_step_with_a_typed_key, in_shardings=plan.in_shardings, out_shardings=plan.out_shardings)):
+        got = run(w, x, key)
+        assert key_impl(got[1]) is not None  # a typed key comes back
+        np.testing.assert_array_equal(jax.random.key_data(got[1]), jax.random.key_data(want[1]))
+        np.testing.assert_allclose(np.asarray(got[0]), np.asarray(want[0]), rtol=1e-5)
+    report = shardsolve.verify(plan, w, x, key)
+    assert report.ok, report
+    # A plan file keeps the keys, and binds only to a function that takes and gives them.
+    plan.save(tmp_path / "plan.json")
+    loaded = shardsolve.load_plan(tmp_path / "plan.json", _step_with_a_typed_key, w, x, key)
+    assert loaded.signature == plan.signature and loaded.in_shardings[2].spec == P()
+    with pytest.raises(ShardsolveError, match="PRNG key arguments differ") as e:
+        shardsolve.load_plan(tmp_path / "plan.json", lambda w, x, k: _step_with_a_typed_key(w, x, jax.random.wrap_key_data(k)),
+                             w, x, jax.random.key_data(key))
     assert "\n" not in str(e.value)
+
+
+def test_an_array_of_keys_is_split_like_its_batch_and_its_data_keeps_the_key_dimension_whole():
+    def noisy(x, keys):
+        noise = jax.vmap(lambda k, row: jax.random.normal(k, row.shape))(keys, x)
+        return x + noise, jax.vmap(lambda k: jax.random.split(k)[0])(keys)
+
+    x = jnp.arange(16 * 8, dtype=jnp.float32).reshape(16, 8)
+    keys = jax.random.split(jax.random.key(0), 16)
+    plan = shardsolve.plan(noisy, x, keys, mesh=MESH, in_shardings=(P("data"), P("data")), time_limit=10)
+    key_node = plan.inputs[1]
+    assert key_node.dims[0] and not key_node.dims[1], key_node  # split by rows, each key's two words whole
+    assert plan.in_shardings[1].spec == P("data")
+    report = shardsolve.verify(plan, x, keys)
+    assert report.ok, report
+    with pytest.raises(ShardsolveError, match=r"in_shardings\[1\]: .* names 2 dimensions of a PRNG key array of "
+                                              r"rank 1; give at most 1") as e:
+        shardsolve.plan(noisy, x, keys, mesh=MESH, in_shardings=(P("data"), P("data", None)))
+    assert "\n" not in str(e.value)
+    with pytest.raises(ShardsolveError, match=r"argument args\[1\] must be a PRNG key array"):
+        shardsolve.verify(plan, x, jax.random.key_data(keys))
 
 
 def _split_by_scan(x, seed):
