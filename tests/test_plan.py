@@ -498,3 +498,17 @@ def test_a_convolution_by_fft_runs_as_planned():
     k, x = jax.random.normal(jax.random.key(0), (32, 64)), jax.random.normal(jax.random.key(1), (16, 32, 64))
     plan = shardsolve.plan(step, k, x, mesh="data=2,model=4", in_shardings=(None, P("data")), time_limit=10)
     assert shardsolve.verify(plan, k, x).ok
+
+
+def test_any_and_all_over_a_split_dimension_combine_booleans_not_the_rows():
+    """``any``/``all`` over the rows a batch pin splits are a maximum and a minimum of booleans: each device
+    reduces its rows and one all-reduce of the booleans combines them (the rows were gathered before)."""
+    x = jax.random.normal(jax.random.key(0), (4096, 4))
+
+    def flags(x):
+        return (x > 2).any(0), (x > -3).all(0)
+
+    plan = shardsolve.plan(flags, x, mesh="data=8", in_shardings=(P("data"),), time_limit=10)
+    assert sorted((c.kind, c.bytes) for c in plan.collectives) == [("all-reduce", 4), ("all-reduce", 4)]
+    report = shardsolve.verify(plan, x)
+    assert report.ok, report

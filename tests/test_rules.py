@@ -394,6 +394,7 @@ _BINARY_INT = {"shift_left": lax.shift_left, "shift_right_logical": lax.shift_ri
 _UNARY_INT = {"population_count": lax.population_count, "clz": lax.clz, "not": lax.bitwise_not}
 
 # One program per registered primitive whose jaxpr holds an equation of it.
+from jax._src.lax import lax as _lax_core  # noqa: E402  (total-order comparisons, which jnp.searchsorted binds)
 from jax._src.lax import linalg as _lax_linalg  # noqa: E402  (the parts jax.lax.linalg binds)
 
 # ``jax.lax.linalg``'s parts and relatives on a stack of 4x4 matrices (each binds its own primitive)
@@ -421,6 +422,7 @@ SAMPLE_PROGRAMS = {
     "conj": (lax.conj, (_c64(8, 4),)),
     "complex": (lax.complex, (_f32(8, 4), _f32(8, 4))),
     "integer_pow": (lambda a: a**3, (_f32(8, 4),)),
+    **{n: (getattr(_lax_core, f"{n}_p").bind, (_f32(8, 4), _f32(8, 4))) for n in ("eq_to", "le_to", "lt_to")},
     "reduce_precision": (lambda a: lax.reduce_precision(a, 5, 10), (_f32(8, 4),)),
     "clamp": (lambda a: lax.clamp(0.0, a, 1.0), (_f32(8, 4),)),
     "bitcast_convert_type": (lambda a: lax.bitcast_convert_type(a, jnp.int32), (_f32(8, 4),)),

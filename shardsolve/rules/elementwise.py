@@ -86,6 +86,10 @@ POINTWISE: dict[str, tuple[Linear, float]] = {
     "le": (NONE, 1.0),
     "gt": (NONE, 1.0),
     "ge": (NONE, 1.0),
+    # total-order comparisons (NaNs and signed zeros ordered), as jnp.searchsorted and jnp.histogram compare
+    "eq_to": (NONE, 1.0),
+    "le_to": (NONE, 1.0),
+    "lt_to": (NONE, 1.0),
     "clamp": (NONE, 2.0),
     "complex": (NONE, 1.0),
     "bitcast_convert_type": (NONE, 0.0),

@@ -5,9 +5,10 @@
     ([i, j])->([i]) {i=8, j=16} reduction={j} linear={(0)}
 
 ``reduce_max`` is the same with ``reduction={j}(max)``: splitting ``j``
-leaves per-device maximum candidates. Reductions whose partial results we
-cannot combine (``reduce_prod``, ``argmax``, boolean ``reduce_and``/``or``)
-mark the reduced factor need-replication instead; so do scans (``cumsum``)
+leaves per-device maximum candidates; boolean ``reduce_or`` and
+``reduce_and`` are a maximum and a minimum over ``False < True`` (``pmax`` and
+``pmin`` on ``pred``). Reductions whose partial results we cannot combine
+(``reduce_prod``, ``argmax``) mark the reduced factor need-replication instead; so do scans (``cumsum``)
 along their axis and ``sort``/``top_k`` along theirs. FLOPs are one per input
 element, as XLA's cost analysis counts them: a scan's as the CPU backend
 computes it (``scan_combines``), a sort's elements times the log of each
@@ -128,8 +129,10 @@ RULES: dict[str, Callable[[OpView], Rule]] = {
     "reduce_sum": reduce_sum_rule,
     "reduce_max": reduce_max_rule,
     "reduce_min": reduce_min_rule,
+    "reduce_or": reduce_max_rule,  # any: the maximum of booleans
+    "reduce_and": reduce_min_rule,  # all: the minimum
 }
-for _name in ("reduce_prod", "reduce_and", "reduce_or", "reduce_xor", "argmax", "argmin"):
+for _name in ("reduce_prod", "reduce_xor", "argmax", "argmin"):
     RULES[_name] = replicated_reduce_rule
 RULES["cumsum"] = cumsum_rule
 for _name in ("cumprod", "cummax", "cummin", "cumlogsumexp"):
