@@ -27,6 +27,8 @@ annotation or anything the planner was tuned on:
   ``lax.cond`` (``optax.MultiSteps``' pattern);
 * ``decode_loop``: greedy decoding into a KV cache by ``lax.while_loop``
   until every sequence has ended (a condition over the split batch);
+* ``vae``: a variational autoencoder drawing its noise from a typed PRNG key
+  carried in the state and split each step;
 * ``constrained_lm``: a language model with MaxText-style activation
   constraints inside (``with_sharding_constraint`` with bare ``PartitionSpec``s),
   which propagation and the planner both hold.
@@ -420,8 +422,36 @@ def decode_loop(size: str):
     return step, ((params, cache), S((batch,), jnp.int32)), ((None, (P("data"), P("data"))), P("data"))
 
 
+def vae(size: str):
+    """A variational autoencoder whose reparameterisation noise is drawn from a typed PRNG key carried in the
+    state (``jax.random.key``), split each step and handed on, as a Flax NNX ``Rngs`` stream is."""
+    batch, d, hidden, z = (4096, 4096, 8192, 512) if size == "large" else (16, 32, 64, 8)
+    weights = {"e": S((d, hidden), f32), "mu": S((hidden, z), f32), "lv": S((hidden, z), f32),
+               "d1": S((z, hidden), f32), "d2": S((hidden, d), f32)}
+    state = (weights, S((), jax.random.key(0).dtype))
+    data = (S((batch, d), f32), S((batch, d), f32))
+
+    def step(state, data):
+        p, key = state
+        key, noise_key = jax.random.split(key)
+        x, _ = data
+
+        def loss(p):
+            h = jax.nn.relu(x @ p["e"])
+            mu, lv = h @ p["mu"], h @ p["lv"]
+            latent = mu + jnp.exp(0.5 * lv) * jax.random.normal(noise_key, mu.shape)
+            rec = jax.nn.relu(latent @ p["d1"]) @ p["d2"]
+            kl = -0.5 * jnp.sum(1 + lv - mu ** 2 - jnp.exp(lv), axis=-1)
+            return jnp.mean(jnp.sum((rec - x) ** 2, axis=-1) + kl)
+
+        value, g = jax.value_and_grad(loss)(p)
+        return (jax.tree.map(lambda a, b: a - 1e-3 * b, p, g), key), value
+
+    return step, (state, data), (None, BATCH)
+
+
 PROGRAMS: dict[str, Callable] = {"vit": vit, "gru": gru, "mixer": mixer, "twotower": twotower, "conv1d": conv1d,
                                  "remat_lm": remat_lm, "bf16_mlp": bf16_mlp, "adam_mlp": adam_mlp, "cnn2d": cnn2d,
                                  "moe_top2": moe_top2, "segment_bag": segment_bag, "gnn": gnn,
                                  "constrained_lm": constrained_lm, "mobilenet": mobilenet, "accum_steps": accum_steps,
-                                 "decode_loop": decode_loop}
+                                 "decode_loop": decode_loop, "vae": vae}

@@ -11,7 +11,12 @@ schedule (``shardsolve.schedule``) says which reads do reshard, and this
 module counts the compiled program's buffers from it (``peak_memory``):
 
 * an argument, a constant and an output for the whole program; a scan's
-  boundary and body as the problem counts them;
+  boundary and body as the problem counts them, but for its carries: XLA's
+  while loop keeps each carry in one buffer, updated in place, so a body
+  result that is a carry's next value in the carry's layout is written into
+  that buffer (the carry node's bytes, ``_carry_outs_in_state``), and a
+  carry's initial value read there for the last time in that layout is the
+  buffer's first value (handed to the scan's result, ``_carried_into``);
 * each op result in its strategy's layout (a result fused into its readers,
   ``build.memory_traffic``, has none), from its op's step through its last
   read, where a read by a fused op is done where that op's work is
@@ -109,9 +114,9 @@ def memory_profile(graph: Graph, built: Built, assignment: Sequence[int], schedu
         written = memory_traffic(graph, op)[len(op.inputs):]
         for r, v in enumerate(op.outputs):
             made[v] = (start, strategy.results[r], end if written[r] else start)
-        view = graph.view(op)
         ratio = workspace_ratio(graph, op)
         if ratio:
+            view = graph.view(op)
             itemsizes = [np.dtype(d).itemsize for d in view.in_dtypes]
             temps.append((start, start + 1, scratch_bytes(ratio, strategy, view.in_shapes, itemsizes,
                                                           op.literal_operands, mesh), f"{op.name()} scratch"))
@@ -121,6 +126,7 @@ def memory_profile(graph: Graph, built: Built, assignment: Sequence[int], schedu
     buffers: dict[tuple[int, Sharding], list] = {}  # (value, layout) -> [start, end, bytes]
     sliced: set[tuple[int, Sharding]] = set()  # layouts cut locally from the value's own buffer, read by read
     aliased: set[tuple[int, int]] = set()  # (value, op) read in the layout it was made in
+    state_from: dict[tuple[int, Sharding], int] = {}  # reshards made for a loop's carry -> their step
     arrived = {v: built.sharding(built.value_node[v], assignment) for v in (*graph.inputs, *graph.consts)
                if v in built.value_node}
     runs = runs_in(graph)  # a read by a fused op is done where that op's work is
@@ -146,7 +152,8 @@ def memory_profile(graph: Graph, built: Built, assignment: Sequence[int], schedu
                        and nbytes < produced.local_bytes(v.shape, v.itemsize, mesh))
             if local and not hoisted:
                 sliced.add((d.value, d.target))
-                temps.append((step, step + 1, *transient))
+                if nbytes < produced.local_bytes(v.shape, v.itemsize, mesh):  # (else it cuts nothing: a mesh
+                    temps.append((step, step + 1, *transient))  # axis of one device; the buffer is read as it is)
                 at = min(step, max(own[0] + 1, _ready(graph, made, runs, runs[d.site.index]))) if fused_cut else step
                 last_read[d.value] = max(last_read.get(d.value, 0), at + 1)
                 continue
@@ -159,6 +166,8 @@ def memory_profile(graph: Graph, built: Built, assignment: Sequence[int], schedu
             if max(made_bytes) > kept:
                 temps.append((step, step + 1, max(made_bytes) - kept, f"{v.name} reshard to {d.target}"))
             buffers[(d.value, d.target)] = [own[0] if hoisted else step, step + 1, kept]
+            if not hoisted and d.site.kind == OPERANDS and _carried_into(graph, built, d.value, d.site.index):
+                state_from[(d.value, d.target)] = step  # a reshard made for a loop's carry: its state's first buffer
             if d.source != produced:  # made from a layout made before: that buffer lives to here
                 _extend(buffers, (d.value, d.source), step)
             elif not hoisted:
@@ -172,6 +181,9 @@ def memory_profile(graph: Graph, built: Built, assignment: Sequence[int], schedu
             last_read[d.value] = max(last_read.get(d.value, 0), step + 1)
             if d.site.kind == OPERANDS:
                 aliased.add((d.value, d.site.index))
+    for key, step in state_from.items():
+        if buffers[key][1] == step + 1:  # read by no later op: the loop's state takes the buffer
+            buffers[key][1] = step
     temps.extend((*b, f"{graph.values[v].name} in {layout}") for (v, layout), b in buffers.items())
 
     last_use = graph.last_use()
@@ -186,12 +198,19 @@ def memory_profile(graph: Graph, built: Built, assignment: Sequence[int], schedu
         read_until = last_read.get(vid, start + 1)
         k = last_use.get(vid)
         if (vid, k) in aliased and read_until == runs[k] + 2:
-            taker = k if updated_in_place(graph, vid, last_use) else _fusion_root(graph, vid, k, runs)
-            if taker is not None and graph.ops[taker].outputs[0] not in taken \
-                    and _same_bytes(graph, made, taker, nbytes, mesh):
-                read_until -= 1
-                hands[vid] = graph.ops[taker].outputs[0]
-                taken.add(hands[vid])
+            carried = _carried_into(graph, built, vid, k)
+            if carried is not None:  # the loop's state starts in this buffer
+                if carried not in taken:
+                    read_until -= 1
+                    hands[vid] = carried
+                    taken.add(carried)
+            else:
+                taker = k if updated_in_place(graph, vid, last_use) else _fusion_root(graph, vid, k, runs)
+                if taker is not None and graph.ops[taker].outputs[0] not in taken \
+                        and _same_bytes(graph, made, taker, nbytes, mesh):
+                    read_until -= 1
+                    hands[vid] = graph.ops[taker].outputs[0]
+                    taken.add(hands[vid])
         lives[vid] = (start, min(end, read_until), nbytes)
     written_from: dict[int, int] = {}  # an output -> the first step its allocation holds one of its values
     skip = {scan_result[v] for v in graph.output_ids if v in scan_result}  # the output node counts it
@@ -206,10 +225,11 @@ def memory_profile(graph: Graph, built: Built, assignment: Sequence[int], schedu
 
     delta = np.zeros(horizon + 2, dtype=np.float64)
     allocations: list[tuple[float, int]] = []  # (bytes, the first step the output's allocation is in use)
+    in_state = _carry_outs_in_state(graph, built, assignment)
     for k, (node, info) in enumerate(zip(problem.nodes, built.nodes)):
         if (info.kind in ("op", "operands", "kept") and not info.scope) or info.kind == "hub" or k in skip:
             continue  # counted above, from the schedule (a hub holds nothing)
-        usage = float(node.usages[assignment[k]])
+        usage = max(0.0, float(node.usages[assignment[k]]) - in_state.get(k, 0.0))
         if info.kind == "output":
             x = graph.outputs[info.ref]
             first = made[x][0] if x in made else 0
@@ -224,6 +244,49 @@ def memory_profile(graph: Graph, built: Built, assignment: Sequence[int], schedu
         delta[start] += nbytes
         delta[min(end, horizon + 1)] -= nbytes
     return np.cumsum(delta)[:horizon] + fixed
+
+
+def _carried_into(graph: Graph, built: Built, vid: int, k: int) -> int | None:
+    """The carry result of scan op ``k`` (planned with its body) whose loop state starts in ``vid``'s buffer, or
+    None: ``vid`` is read there once, as a carry's initial value (XLA's while loop takes a dead operand's
+    buffer as its state, and updates it in place)."""
+    op = graph.ops[k]
+    if op.primitive != "scan" or (k,) not in built.scans or op.inputs.count(vid) != 1:
+        return None
+    n_consts, n_carry = len(built.scans[(k,)].const), len(built.scans[(k,)].carry)
+    r = op.inputs.index(vid) - n_consts
+    return op.outputs[r] if 0 <= r < n_carry else None
+
+
+def _carry_outs_in_state(graph: Graph, built: Built, assignment: Sequence[int]) -> dict[int, float]:
+    """Body op node -> the bytes of its result that are a carry's next value, made in the carry's layout: that
+    result is written into the loop's state (the carry node's bytes), not a buffer of its own.
+
+    A ``while`` loop's body keeps its new carry by a select (``trace._predicate_carried``) that the rewriter
+    leaves out (``lower._Rewriter._while``): the value selected is the next value written into the state.
+    """
+    out: dict[int, float] = {}
+    for scope, sn in built.scans.items():
+        body, loop = sn.body, graph.nested(scope[:-1]).ops[scope[-1]].loop is not None
+        for r, bx in enumerate(body.outputs[:len(sn.carry)]):
+            carry = sn.carry[r]
+            layout = built.nodes[carry].shardings[assignment[carry]]
+            nbytes = float(built.problem.nodes[carry].usages[assignment[carry]])
+            if not isinstance(bx, int) or body.outputs.count(bx) != 1:
+                continue
+            while isinstance(bx, int) and body.values[bx].kind == "result":
+                producer = body.values[bx].producer
+                idx = sn.op_node.get(producer)
+                if idx is None:
+                    break
+                op = body.ops[producer]
+                if built.nodes[idx].strategies[assignment[idx]].results[op.outputs.index(bx)] != layout:
+                    break
+                out[idx] = out.get(idx, 0.0) + nbytes
+                if not (loop and op.primitive == "select_n" and len(op.inputs) == 3):
+                    break
+                bx = op.inputs[2]  # select(go, new, old): the new carry, made into the state
+    return out
 
 
 def _unpacked(temps: list[tuple[int, int, float, str]],

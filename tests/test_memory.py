@@ -4,7 +4,8 @@ Each program here has buffers the problem's bound miscounts: the scratch of
 an operation compiled into several steps, an in-place update, an output
 allocated for the whole program, a gradient that becomes its updated
 parameter's buffer, a parameter cut locally where each reader reads it, a
-matmul's result cut by an elementwise reader late in the program.
+matmul's result cut by an elementwise reader late in the program, a scan's
+carry updated in place in the buffer its initial value was made in.
 ``plan.cost.peak_memory`` must agree with ``memory_analysis()`` of the compiled ``plan.jit()`` within 10%
 (the fidelity goal), and never exceed the bound the solver held.
 """
@@ -71,12 +72,20 @@ def _matmul_cut_late(x, w):
     return jnp.sin(y) * late
 
 
+def _accumulated_in_a_scan(w, xs):
+    def body(acc, x):  # the carry is the loop's state, updated in place; its zeros are that state's first value
+        return acc + x.T @ jnp.tanh(x @ w), None
+
+    return lax.scan(body, jnp.zeros_like(w), xs)[0]
+
+
 POOL_ARGS = (jax.ShapeDtypeStruct((16, 64, 64, 32), F32), jax.ShapeDtypeStruct((16, 32, 32, 32), F32))
 SCATTER_ARGS = (jax.ShapeDtypeStruct((2048,), jnp.int32), jax.ShapeDtypeStruct((2048, 256), F32))
 SGD_ARGS = ({"w1": jax.ShapeDtypeStruct((1024, 4096), F32), "w2": jax.ShapeDtypeStruct((4096, 1024), F32)},
             jax.ShapeDtypeStruct((64, 1024), F32))
 LAST_ARGS = (jax.ShapeDtypeStruct((1024, 64), F32), jax.ShapeDtypeStruct((64, 1024), F32))
 SQUARE = jax.ShapeDtypeStruct((1024, 1024), F32)
+SCAN_ARGS = (jax.ShapeDtypeStruct((2048, 2048), F32), jax.ShapeDtypeStruct((4, 64, 2048), F32))
 TWO_LAYER_ARGS = (jax.ShapeDtypeStruct((256, 512), F32), jax.ShapeDtypeStruct((512, 1024), F32),
                   jax.ShapeDtypeStruct((1024, 512), F32))
 
@@ -116,7 +125,9 @@ def test_scratch_measured_in_the_background_is_the_compiled_scratch():
     (_output_made_last, LAST_ARGS, (P(), P()), None),
     (_sgd_step, SGD_ARGS, ({"w1": P(None, "model"), "w2": P("model", None)}, P("data")), None),
     (_matmul_cut_late, (SQUARE, SQUARE), (P(), P()), P(("data", "model"))),
-], ids=["max-pool gradient", "scatter-add into zeros", "output made last", "SGD step", "matmul cut late"])
+    (_accumulated_in_a_scan, SCAN_ARGS, (P(), P()), None),
+], ids=["max-pool gradient", "scatter-add into zeros", "output made last", "SGD step", "matmul cut late",
+        "carry accumulated in a scan"])
 def test_planned_peak_is_the_compiled_peak(fun, args, pins, outs):
     plan = shardsolve.plan(fun, *args, mesh=MESH, in_shardings=pins, out_shardings=outs)
     compiled = _compiled_peak(plan, args)
