@@ -125,6 +125,7 @@ def _pass(forward, noff, hat, gamma, ptr, sends, toff, tables, uoff, to_u, voff,
     n = len(noff) - 1
     share = np.empty(buffer)
     m = np.empty(buffer)
+    d = np.empty(buffer)
     for step in range(n):
         i = step if forward else n - 1 - step
         start, end = ptr[i], ptr[i + 1]
@@ -144,19 +145,19 @@ def _pass(forward, noff, hat, gamma, ptr, sends, toff, tables, uoff, to_u, voff,
                 for a in range(si):
                     s = share[a] - to_u[uoff[e] + a]
                     row = base + a * sj
-                    for b in range(sj):
+                    for b in range(sj):  # (a select, not a branch: the compiler vectorises it)
                         x = s + tables[row + b]
-                        if x < m[b]:
-                            m[b] = x
+                        m[b] = x if x < m[b] else m[b]
                 out, off = to_v, voff[e]
             else:  # i's strategies are the table's columns; the message j sent is to_v[e]
+                for b in range(si):  # what i sends along every column, worked out once
+                    d[b] = share[b] - to_v[voff[e] + b]
                 for a in range(sj):
                     row = base + a * si
                     best = np.inf
                     for b in range(si):
-                        x = tables[row + b] + (share[b] - to_v[voff[e] + b])
-                        if x < best:
-                            best = x
+                        x = tables[row + b] + d[b]
+                        best = x if x < best else best
                     m[a] = best
                 out, off = to_u, uoff[e]
             low = np.inf

@@ -294,8 +294,14 @@ def memory_traffic(g: Graph, op: Op) -> tuple[bool, ...]:
     several readers rather than compute it again). Everything else (matmuls,
     gathers, arguments, outputs, a scan's boundary) moves.
     """
-    return tuple([not fused(g, x) if not isinstance(x, Lit) else False for x in op.inputs]
-                 + [not fused(g, v) for v in op.outputs])
+    known = g.memo.get(memory_traffic)
+    if known is None:
+        known = g.memo[memory_traffic] = {}
+    hit = known.get(op.id)
+    if hit is None:  # (asked by the builder, the plan's memory and its lowering, op by op)
+        hit = known[op.id] = tuple([not fused(g, x) if not isinstance(x, Lit) else False for x in op.inputs]
+                                   + [not fused(g, v) for v in op.outputs])
+    return hit
 
 
 _REPEATABLE = frozenset({"broadcast_in_dim", "iota"})
@@ -381,6 +387,16 @@ def updated_in_place(g: Graph, vid: int, last: dict[int, int]) -> bool:
 
 def fused(g: Graph, vid: int) -> bool:
     """Whether value ``vid`` of ``g`` stays inside one of XLA's loop fusions (see ``memory_traffic``)."""
+    known = g.memo.get(fused)
+    if known is None:
+        known = g.memo[fused] = {}
+    hit = known.get(vid)
+    if hit is None:
+        hit = known[vid] = _fused(g, vid)
+    return hit
+
+
+def _fused(g: Graph, vid: int) -> bool:
     v = g.values[vid]
     if v.kind != "result":
         return False
@@ -451,6 +467,7 @@ class RuleStrategies:
     labels: tuple[str, ...]
     operand_ids: tuple[np.ndarray, ...]
     result_ids: tuple[np.ndarray, ...]
+    result_layouts: tuple[tuple[Sharding, ...], ...]  # per result: its sharding under each strategy
 
     @classmethod
     def make(cls, rule: Rule, fixed: tuple[int, ...], itemsizes: tuple[int, ...], mesh: MeshSpec,
@@ -458,26 +475,28 @@ class RuleStrategies:
              live_out: tuple[bool, ...] = ()) -> RuleStrategies:
         strategies = strategies_of(rule, mesh, tuple(fixed), uneven)
         n_in = len(rule.operands)
-        costs = np.array([rule.strategy_time(s, mesh, itemsizes, traffic) for s in strategies], dtype=np.float64)
+        shapes = rule.shapes()
+        costs = np.array([rule.strategy_time(s, mesh, itemsizes, traffic, shapes) for s in strategies],
+                         dtype=np.float64)
         written = traffic[n_in:] if traffic is not None else (True,) * len(rule.results)
         if live_out:  # a program output is its output node's buffer
             written = tuple(w and not out for w, out in zip(written, live_out))
+        known: dict[tuple[int, Sharding], int] = {}  # (operand or n_in + result, layout) -> its local bytes
+
+        def local_bytes(k: int, layout: Sharding) -> int:
+            n = known.get((k, layout))
+            if n is None:
+                n = known[(k, layout)] = layout.local_bytes(shapes[k], itemsizes[k], mesh)
+            return n
+
         usage = np.array(  # a result fused into its readers is never allocated
-            [
-                sum(r.local_bytes(rule.result_shape(k), itemsizes[n_in + k], mesh)
-                    for k, r in enumerate(s.results) if written[k])
-                for s in strategies
-            ],
+            [sum(local_bytes(n_in + k, r) for k, r in enumerate(s.results) if written[k]) for s in strategies],
             dtype=np.float64,
         )
         read = traffic[:n_in] if traffic is not None else (True,) * n_in
-        shapes = [rule.operand_shape(k) for k in range(n_in)]
         operand_usage = np.array(  # the layouts it reads, materialised (a reshard's result is a new buffer)
-            [
-                sum(o.local_bytes(shapes[k], itemsizes[k], mesh)
-                    for k, o in enumerate(s.operands) if read[k] and k not in fixed)
-                for s in strategies
-            ],
+            [sum(local_bytes(k, o) for k, o in enumerate(s.operands) if read[k] and k not in fixed)
+             for s in strategies],
             dtype=np.float64,
         )
         return cls(
@@ -488,6 +507,7 @@ class RuleStrategies:
             tuple(s.describe() for s in strategies),
             tuple(tables.ids([s.operands[k] for s in strategies]) for k in range(n_in)),
             tuple(tables.ids([s.results[k] for s in strategies]) for k in range(len(rule.results))),
+            tuple(tuple(s.results[k] for s in strategies) for k in range(len(rule.results))),
         )
 
 
@@ -550,7 +570,7 @@ class ProblemBuilder:
         self.edges: dict[tuple[int, int], np.ndarray] = {}
         # ``like``: a builder of the same program, mesh and options whose reshard tables and priced rules serve
         self.tables = ReshardTables(mesh, impossible=FORBIDDEN) if like is None else like.tables
-        self.produced_at: dict[tuple, tuple[int, list[Sharding]]] = {}
+        self.produced_at: dict[tuple, tuple[int, Sequence[Sharding]]] = {}
         self.ids_at: dict[tuple, np.ndarray] = {}
         self.rule_cache: dict[tuple, RuleStrategies] = {} if like is None else like.rule_cache
         self.scans: dict[Scope, ScanNodes] = {}
@@ -1060,7 +1080,7 @@ class ProblemBuilder:
             self.pin_constraint(g, op, idx, rs)
         produced_at, ids_at = self.produced_at, self.ids_at
         for r, v in enumerate(op.outputs):
-            produced_at[(scope, v)] = (idx, [s.results[r] for s in rs.strategies])
+            produced_at[(scope, v)] = (idx, rs.result_layouts[r])
             ids_at[(scope, v)] = rs.result_ids[r]
             self.reserve_hub((scope, v))
         read_edge = self.read_edge

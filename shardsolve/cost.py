@@ -608,7 +608,7 @@ def _template(shape: tuple[int, ...], src: Sharding, dst: Sharding, mesh: MeshSp
         prods = tuple(mesh.group_size(set(a) | set(b)) for a, b in zip(src.dims, dst.dims))
         hit = _TEMPLATES[pair] = (prods, {})
     prods, by_class = hit
-    cls = tuple(math.gcd(size, p) for size, p in zip(shape, prods))
+    cls = tuple(map(math.gcd, shape, prods))
     if cls not in by_class:
         by_class[cls] = _compiled(shape, src, dst, mesh)
     return by_class[cls]

@@ -119,6 +119,12 @@ class Graph:
     closed: Any = field(default=None, repr=False, compare=False)  # the closed jaxpr the graph was built from
 
     @functools.cached_property
+    def memo(self) -> dict:
+        """Facts other modules derive from this graph, each worked out once (keyed by the function that works it
+        out): a graph does not change once built."""
+        return {}
+
+    @functools.cached_property
     def output_ids(self) -> frozenset[int]:
         """The value ids among ``outputs`` (literals left out)."""
         return frozenset(x for x in self.outputs if not isinstance(x, Lit))

@@ -334,17 +334,23 @@ class Rule:
         assignment = tuple((f, tuple(on[f])) for f in self.factors if f in on)
         return Strategy(assignment, tuple(operands), tuple(results), math.prod(split.values()), tuple(partial_via))
 
+    def shapes(self) -> list[tuple[int, ...]]:
+        """The operands' shapes, then the results'."""
+        return ([self.operand_shape(k) for k in range(len(self.operands))]
+                + [self.result_shape(k) for k in range(len(self.results))])
+
     def strategy_time(self, strategy: Strategy, mesh: MeshSpec, itemsizes: Sequence[int],
-                      traffic: Sequence[bool] | None = None) -> float:
+                      traffic: Sequence[bool] | None = None, shapes: Sequence[tuple[int, ...]] | None = None) -> float:
         """Compute time of one device's share under ``strategy``.
 
         ``itemsizes`` gives bytes per element of the operands then the results;
         ``traffic`` (same order, default all) which of them move through memory
-        (an operand or result fused with its neighbour does not).
+        (an operand or result fused with its neighbour does not); ``shapes``: ``self.shapes()``, where the
+        caller prices many strategies.
         """
         nbytes = 0
-        shapes = [self.operand_shape(k) for k in range(len(self.operands))]
-        shapes += [self.result_shape(k) for k in range(len(self.results))]
+        if shapes is None:
+            shapes = self.shapes()
         moved = traffic if traffic is not None else (True,) * len(shapes)
         for shape, sharding, itemsize, m in zip(shapes, strategy.operands + strategy.results, itemsizes, moved):
             if m:
@@ -371,5 +377,35 @@ def _factor_key(name: str) -> tuple[int, int | str]:
 def strategies_of(rule: Rule, mesh: MeshSpec, fixed_operands: tuple[int, ...] = (),
                   allow_uneven: bool = True) -> tuple[Strategy, ...]:
     """``rule.strategies(mesh, ...)``, kept: the problem builder and the lowering of every plan of a program ask
-    for the same rules' strategies again (a three-axis mesh has hundreds per rule)."""
-    return tuple(rule.strategies(mesh, fixed_operands=fixed_operands, allow_uneven=allow_uneven))
+    for the same rules' strategies again (a three-axis mesh has hundreds per rule).
+
+    Rules of one structure whose factor sizes split alike (``_split_class``: an elementwise op on ``[B, S, D]``
+    and on ``[B, S, 4D]``) have the same strategies, worked out once."""
+    key = (rule.operands, rule.results, tuple(f for f, _ in rule.sizes),
+           tuple(_split_class(n, mesh) for _, n in rule.sizes), rule.reduction, rule.need_replication,
+           rule.reduce_op, rule.linear, mesh, fixed_operands, allow_uneven)
+    hit = _BY_STRUCTURE.get(key)
+    if hit is None:
+        if len(_BY_STRUCTURE) >= 1 << 14:
+            _BY_STRUCTURE.clear()
+        hit = _BY_STRUCTURE[key] = tuple(rule.strategies(mesh, fixed_operands=fixed_operands,
+                                                         allow_uneven=allow_uneven))
+    return hit
+
+
+_BY_STRUCTURE: dict[tuple, tuple[Strategy, ...]] = {}
+
+
+@functools.lru_cache(maxsize=1 << 14)
+def _split_class(size: int, mesh: MeshSpec) -> tuple:
+    """All ``Rule.strategies`` asks of a factor's size: whether it is above 1, and for each number of devices a
+    group of the mesh's axes (any subset of them) can split it over, whether that divides it, splits it
+    unevenly within ``uneven_split_fits`` and splits it whole (one element a device)."""
+    return (size > 1,) + tuple((size % n == 0, uneven_split_fits(size, n), size == n) for n in _group_sizes(mesh))
+
+
+@functools.lru_cache(maxsize=64)
+def _group_sizes(mesh: MeshSpec) -> tuple[int, ...]:
+    """The device counts of every nonempty subset of ``mesh``'s axes of size above 1 (sorted, distinct)."""
+    sizes = [a.size for a in mesh.axes if a.size > 1]
+    return tuple(sorted({math.prod(c) for k in range(1, len(sizes) + 1) for c in itertools.combinations(sizes, k)}))
