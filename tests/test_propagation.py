@@ -97,3 +97,18 @@ def test_a_scan_body_is_read_from_the_shardings_its_operands_take_outside():
         results = built.nodes[k].strategies[x[k]].results
         assert [Sharding(r.dims) for r in results] == [inner[v] for v in op.outputs]
     assert all(matched[k] for k in nodes.carry + nodes.xs)
+
+
+def test_an_option_the_compiler_does_not_know_is_left_out_of_the_fast_compile(monkeypatch):
+    """The extra compile's options are speed-ups only: one a JAX release no longer knows is dropped, and the
+    shardings read are the same."""
+    from shardsolve import propagation
+
+    mesh = MeshSpec.parse(MESH)
+    traced = trace(lambda x, w: jnp.tanh(x @ w),
+                   jax.ShapeDtypeStruct((16, 32), jnp.float32), jax.ShapeDtypeStruct((32, 64), jnp.float32))
+    graph = Graph.from_traced(traced)
+    pins = [Sharding.from_spec(P("data", None), 2, mesh), None]
+    want = propagated_shardings(graph, mesh, pins, [None])
+    monkeypatch.setattr(propagation, "FAST_COMPILE", {**propagation.FAST_COMPILE, "xla_no_such_option": True})
+    assert propagated_shardings(graph, mesh, pins, [None]) == want
