@@ -81,7 +81,9 @@ def key_named(mesh: Any, data: Sharding, key: str) -> NamedSharding:
     dimensions whole, ``build.candidates``)."""
     spec = tuple(data.to_spec())
     rank = data.ndim - key_dims(key)
-    assert not any(spec[rank:]), f"a key's data split on its trailing dimensions: {data}"
+    if any(spec[rank:]):  # (the planner never splits them: a plan file edited by hand)
+        raise ShardsolveError(f"the plan splits a PRNG key's own data ({data.to_spec()}), which no key sharding "
+                              "can lay out; plan it again")
     return NamedSharding(mesh, PartitionSpec(*spec[:rank]))
 
 

@@ -163,6 +163,10 @@ def memory_profile(graph: Graph, built: Built, assignment: Sequence[int], schedu
             made_bytes = [st.dst.local_bytes(v.shape, v.itemsize, mesh) for st in d.steps]
             last = max((i for i, st in enumerate(d.steps) if st.is_collective), default=len(d.steps) - 1)
             kept = nbytes if hoisted else made_bytes[last]
+            # A local cut made into another is one slice (XLA fuses them): only a collective's result, a cut a
+            # collective reads and the last step's result are buffers.
+            made_bytes = [b for i, b in enumerate(made_bytes) if d.steps[i].is_collective or i == len(d.steps) - 1
+                          or d.steps[i + 1].is_collective]
             if max(made_bytes) > kept:
                 temps.append((step, step + 1, max(made_bytes) - kept, f"{v.name} reshard to {d.target}"))
             buffers[(d.value, d.target)] = [own[0] if hoisted else step, step + 1, kept]
