@@ -89,3 +89,25 @@ def test_output_in_a_missing_directory_is_refused_before_planning(capsys, tmp_pa
     code, stdout, stderr = _run(capsys, "plan", f"{models_dir}/mlp.py", "--mesh", "data=2,model=4", "-o", str(out))
     assert code == 2 and "does not exist" in stderr and "step time" not in stdout
     assert len(stderr.strip().splitlines()) == 1 and not list(tmp_path.iterdir())
+
+
+def test_a_typed_key_argument_is_shown_as_the_key(capsys, tmp_path):
+    """A typed PRNG key is planned on its data; the tables show it as the key it is, with a sharding of its rank."""
+    model = tmp_path / "noisy.py"
+    model.write_text(
+        "import jax, jax.numpy as jnp\n"
+        "from jax.sharding import PartitionSpec as P\n"
+        "import shardsolve\n\n"
+        "def noisy(size='small'):\n"
+        "    def step(x, keys):\n"
+        "        noise = jax.vmap(lambda k, row: jax.random.normal(k, row.shape))(keys, x)\n"
+        "        return x + noise, jax.vmap(lambda k: jax.random.split(k)[0])(keys)\n"
+        "    args = (jax.ShapeDtypeStruct((16, 8), jnp.float32),\n"
+        "            jax.ShapeDtypeStruct((16,), jax.random.key(0).dtype))\n"
+        "    return shardsolve.Model(fun=step, args=args, in_shardings=(P('data'), P('data')))\n"
+    )
+    code, stdout, _ = _run(capsys, "plan", f"{model}:noisy", "--mesh", "data=2,model=4")
+    assert code == 0, stdout
+    key_rows = [line for line in stdout.splitlines() if "args[1]" in line or "outputs[1]" in line]
+    assert len(key_rows) == 2 and all("key<threefry2x32>[16]" in line for line in key_rows), key_rows
+    assert "uint32" not in "".join(key_rows)

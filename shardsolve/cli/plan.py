@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from jax.sharding import PartitionSpec
 from rich.console import Console
 from rich.table import Table
 
@@ -18,6 +19,7 @@ from shardsolve.mesh import MeshSpec
 from shardsolve.model import load_model
 from shardsolve.plan import Plan
 from shardsolve.planner import plan as make_plan
+from shardsolve.trace import key_dims
 from shardsolve.units import format_bytes
 
 
@@ -112,10 +114,12 @@ def print_plan(plan: Plan, console: Console, top: int = 10) -> None:
     for col in ("value", "shape", "sharding"):
         table.add_column(col)
     names = plan.input_names or [f"args[{k}]" for k in range(len(plan.inputs))]
-    for name, (shape, dtype), s in zip(names, plan.signature.in_avals, plan.inputs):
-        table.add_row(name, f"{dtype}{list(shape)}", str(s.to_spec()))
-    for k, ((shape, dtype), s) in enumerate(zip(plan.signature.out_avals, plan.outputs)):
-        table.add_row(f"outputs[{k}]", f"{dtype}{list(shape)}", str(s.to_spec()))
+    in_keys = plan.signature.in_keys or (None,) * len(plan.inputs)
+    out_keys = plan.signature.out_keys or (None,) * len(plan.outputs)
+    for name, aval, s, key in zip(names, plan.signature.in_avals, plan.inputs, in_keys):
+        table.add_row(name, *_leaf(aval, s, key))
+    for k, (aval, s, key) in enumerate(zip(plan.signature.out_avals, plan.outputs, out_keys)):
+        table.add_row(f"outputs[{k}]", *_leaf(aval, s, key))
     console.print(table)
 
     if plan.collectives:
@@ -127,3 +131,13 @@ def print_plan(plan: Plan, console: Console, top: int = 10) -> None:
                          f"{p.time * 1e6:.2f}", p.value_name,
                          f"{p.src} -> {p.dst}", p.consumer)
         console.print(coll)
+
+
+def _leaf(aval: tuple, sharding: Any, key: str | None) -> tuple[str, str]:
+    """A leaf's type and sharding as the table shows them: a typed PRNG key as the key (planned on its data,
+    whose trailing dimensions stay whole)."""
+    shape, dtype = aval
+    if key is None:
+        return f"{dtype}{list(shape)}", str(sharding.to_spec())
+    rank = len(shape) - key_dims(key)
+    return f"key<{key}>{list(shape[:rank])}", str(PartitionSpec(*tuple(sharding.to_spec())[:rank]))
