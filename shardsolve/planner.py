@@ -43,7 +43,7 @@ from shardsolve.problem import MEMORY_LIMIT_LABEL, Pin, Solution
 from shardsolve.propagation import propagated_assignment, propagated_scopes
 from shardsolve.schedule import build_schedule
 from shardsolve.sharding import Sharding
-from shardsolve.trace import abstractify, trace
+from shardsolve.trace import abstractify, key_dims, trace
 from shardsolve.units import format_bytes, parse_memory_limit
 
 # -- solution -> plan --------------------------------------------------------
@@ -478,7 +478,9 @@ def _logical_axes(args: tuple, graph: Graph, in_shardings: Any, mesh: MeshSpec) 
     if len(names) != len(values):
         raise ShardsolveError(f"found logical names for {len(names)} argument leaves, but the program has "
                               f"{len(values)}; pass the arguments as plain pytrees of arrays and Flax variables")
-    axes = LogicalAxes(tuple(names), tuple(v.name for v in values), tuple(v.shape for v in values))
+    keys = graph.traced.in_keys or (None,) * len(values)  # a typed key's names are of the key's dimensions
+    shapes = tuple(v.shape[:len(v.shape) - key_dims(key)] for v, key in zip(values, keys))
+    axes = LogicalAxes(tuple(names), tuple(v.name for v in values), shapes)
     axes.check(mesh, [s is not None for s, _ in argument_pins(graph.traced, in_shardings, mesh)])
     return axes
 
