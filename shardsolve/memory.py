@@ -15,8 +15,9 @@ module counts the compiled program's buffers from it (``peak_memory``):
   while loop keeps each carry in one buffer, updated in place, so a body
   result that is a carry's next value in the carry's layout is written into
   that buffer (the carry node's bytes, ``_carry_outs_in_state``), and a
-  carry's initial value read there for the last time in that layout is the
-  buffer's first value (handed to the scan's result, ``_carried_into``);
+  carry's initial value read there for the last time in that layout, or a
+  reshard made for it that nothing else reads, is the buffer's first value
+  (handed to the scan's result, ``_carried_into``);
 * each op result in its strategy's layout (a result fused into its readers,
   ``build.memory_traffic``, has none), from its op's step through its last
   read, where a read by a fused op is done where that op's work is
@@ -170,7 +171,8 @@ def memory_profile(graph: Graph, built: Built, assignment: Sequence[int], schedu
             if max(made_bytes) > kept:
                 temps.append((step, step + 1, max(made_bytes) - kept, f"{v.name} reshard to {d.target}"))
             buffers[(d.value, d.target)] = [own[0] if hoisted else step, step + 1, kept]
-            if not hoisted and d.site.kind == OPERANDS and _carried_into(graph, built, d.value, d.site.index):
+            if not hoisted and d.site.kind == OPERANDS and \
+                    _carried_into(graph, built, d.value, d.site.index) is not None:
                 state_from[(d.value, d.target)] = step  # a reshard made for a loop's carry: its state's first buffer
             if d.source != produced:  # made from a layout made before: that buffer lives to here
                 _extend(buffers, (d.value, d.source), step)
