@@ -106,8 +106,12 @@ def test_a_typed_key_argument_is_shown_as_the_key(capsys, tmp_path):
         "            jax.ShapeDtypeStruct((16,), jax.random.key(0).dtype))\n"
         "    return shardsolve.Model(fun=step, args=args, in_shardings=(P('data'), P('data')))\n"
     )
-    code, stdout, _ = _run(capsys, "plan", f"{model}:noisy", "--mesh", "data=2,model=4")
+    out = tmp_path / "plan.json"
+    code, stdout, _ = _run(capsys, "plan", f"{model}:noisy", "--mesh", "data=2,model=4", "-o", str(out))
     assert code == 0, stdout
     key_rows = [line for line in stdout.splitlines() if "args[1]" in line or "outputs[1]" in line]
     assert len(key_rows) == 2 and all("key<threefry2x32>[16]" in line for line in key_rows), key_rows
     assert "uint32" not in "".join(key_rows)
+    code, stdout, _ = _run(capsys, "explain", str(out), "--show", "args[1]")
+    assert code == 0, stdout
+    assert "key<threefry2x32>[16]" in stdout and "uint32" not in stdout, stdout
