@@ -123,9 +123,8 @@ def leaf_paths(tree_def: Any) -> list[str]:
 
 
 def _pins(annotations: Any, tree_def: Any, avals: Sequence[Any], mesh: MeshSpec, what: str,
-          keys: Sequence[str | None] = ()) -> Pins:
+          keys: Sequence[str | None]) -> Pins:
     pins: Pins = []
-    keys = tuple(keys) or (None,) * len(avals)
     for ann, path, aval, key in zip(broadcast_annotations(annotations, tree_def, what), leaf_paths(tree_def), avals,
                                     keys):
         label = f"{what}{path}"

@@ -938,7 +938,7 @@ class ProblemBuilder:
 
     def add_arguments(self, in_pins: Pins) -> None:
         graph, mesh = self.graph, self.mesh
-        keys = getattr(graph.traced, "in_keys", ()) or (None,) * len(graph.inputs)
+        keys = graph.traced.in_keys
         for vid, (pinned, label), key in [(v, in_pins[k], keys[k]) for k, v in enumerate(graph.inputs)] + [
             (v, (None, ""), None) for v in graph.consts
         ]:
@@ -960,7 +960,7 @@ class ProblemBuilder:
 
     def add_outputs(self, out_pins: Pins) -> None:
         graph, mesh, tables = self.graph, self.mesh, self.tables
-        keys = getattr(graph.traced, "out_keys", ()) or (None,) * len(graph.outputs)
+        keys = graph.traced.out_keys
         for k, x in enumerate(graph.outputs):
             if isinstance(x, Lit):
                 continue

@@ -68,8 +68,8 @@ def named_tree(plan, shardings: tuple[Sharding, ...], which: str) -> Any:
     """
     mesh = plan.mesh.jax_mesh()
     keys = plan.signature.in_keys if which == "in" else plan.signature.out_keys
-    leaves = [named(mesh, s) if not keys or keys[k] is None else key_named(mesh, s, keys[k])
-              for k, s in enumerate(boundary(plan, which, shardings))]
+    leaves = [named(mesh, s) if key is None else key_named(mesh, s, key)
+              for s, key in zip(boundary(plan, which, shardings), keys)]
     traced = plan.graph.traced if plan.graph is not None else None
     if traced is None:
         return tuple(leaves)

@@ -253,9 +253,9 @@ class Signature:
     in_tree: str
     out_tree: str
     # Per flattened argument and output: the PRNG implementation of a typed key leaf (its avals above are its
-    # key data's, as the program takes and gives it: ``trace.key_data_leaves``), or None; () where none is a key.
-    in_keys: tuple[str | None, ...] = ()
-    out_keys: tuple[str | None, ...] = ()
+    # key data's, as the program takes and gives it: ``trace.key_data_leaves``), or None.
+    in_keys: tuple[str | None, ...]
+    out_keys: tuple[str | None, ...]
 
     @classmethod
     def of(cls, traced) -> Signature:
@@ -275,21 +275,21 @@ class Signature:
             "in_tree": self.in_tree,
             "out_tree": self.out_tree,
         }
-        if self.in_keys:
-            d["in_keys"] = list(self.in_keys)
-        if self.out_keys:
-            d["out_keys"] = list(self.out_keys)
+        if any(self.in_keys) or any(self.out_keys):  # (a plan file without keys reads as before)
+            d["in_keys"], d["out_keys"] = list(self.in_keys), list(self.out_keys)
         return d
 
     @classmethod
     def from_json(cls, d: dict) -> Signature:
+        in_avals = tuple((tuple(s), t) for s, t in d["in_avals"])
+        out_avals = tuple((tuple(s), t) for s, t in d["out_avals"])
         return cls(
-            tuple((tuple(s), t) for s, t in d["in_avals"]),
-            tuple((tuple(s), t) for s, t in d["out_avals"]),
+            in_avals,
+            out_avals,
             d["in_tree"],
             d["out_tree"],
-            tuple(d.get("in_keys", ())),
-            tuple(d.get("out_keys", ())),
+            tuple(d.get("in_keys") or (None,) * len(in_avals)),
+            tuple(d.get("out_keys") or (None,) * len(out_avals)),
         )
 
     def mismatch(self, other: Signature) -> str | None:

@@ -478,8 +478,8 @@ def _logical_axes(args: tuple, graph: Graph, in_shardings: Any, mesh: MeshSpec) 
     if len(names) != len(values):
         raise ShardsolveError(f"found logical names for {len(names)} argument leaves, but the program has "
                               f"{len(values)}; pass the arguments as plain pytrees of arrays and Flax variables")
-    keys = graph.traced.in_keys or (None,) * len(values)  # a typed key's names are of the key's dimensions
-    shapes = tuple(v.shape[:len(v.shape) - key_dims(key)] for v, key in zip(values, keys))
+    # a typed key's names are of the key's own dimensions, not its data's trailing ones
+    shapes = tuple(v.shape[:len(v.shape) - key_dims(key)] for v, key in zip(values, graph.traced.in_keys))
     axes = LogicalAxes(tuple(names), tuple(v.name for v in values), shapes)
     axes.check(mesh, [s is not None for s, _ in argument_pins(graph.traced, in_shardings, mesh)])
     return axes

@@ -30,6 +30,7 @@ computes the same bits.
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
 
@@ -52,11 +53,11 @@ class Traced:
     out_tree: Any  # PyTreeDef of the result
     in_avals: tuple  # ShapedArray per flattened input
     out_avals: tuple  # ShapedArray per flattened output
-    needs_mesh: bool = False  # traced only with the plan's mesh as JAX's context mesh (``trace``)
     # Per flattened input and output: the PRNG implementation's name (``"threefry2x32"``) of a typed key
     # leaf, which the program takes or gives as its key data (``key_data_leaves``), or None.
-    in_keys: tuple = ()
-    out_keys: tuple = ()
+    in_keys: tuple
+    out_keys: tuple
+    needs_mesh: bool = False  # traced only with the plan's mesh as JAX's context mesh (``trace``)
 
 
 def leaf_names(tree_def: Any, prefix: str = "") -> list[str]:
@@ -138,13 +139,14 @@ def key_name(leaf: Any) -> str | None:
     return None if impl is None else impl.name
 
 
+@functools.lru_cache(maxsize=None)
 def key_dims(name: str | None) -> int:
     """How many trailing dimensions the data of a key of implementation ``name`` adds (0 for None)."""
     return 0 if name is None else len(key_impl(jax.eval_shape(lambda: jax.random.key(0, impl=name))).key_shape)
 
 
 def key_data_leaves(leaves: Sequence[Any], keys: Sequence[str | None]) -> list[Any]:
-    """``leaves`` with each typed key (``keys[i]`` its implementation's name; ``()`` for none) as its key data:
+    """``leaves`` with each typed key (``keys[i]`` its implementation's name, else None) as its key data:
     arrays and tracers by ``jax.random.key_data``, ``ShapeDtypeStruct``s by their data's shape and dtype.
 
     The planned program takes key arguments, and gives key results, as their data; ``wrapped_keys`` undoes it.
@@ -717,9 +719,9 @@ def trace(fun: Callable, *args: Any, mesh: Any = None) -> Traced:
         out_tree=out_tree,
         in_avals=tuple(v.aval for v in closed.jaxpr.invars),
         out_avals=tuple(v.aval for v in closed.jaxpr.outvars),
+        in_keys=in_keys,
+        out_keys=out_keys,
         needs_mesh=needs_mesh,
-        in_keys=in_keys if any(in_keys) else (),
-        out_keys=out_keys if any(out_keys) else (),
     )
 
 

@@ -165,8 +165,7 @@ def check_arguments(plan, args: Sequence[Any]) -> list[Any]:
             "pass the arguments the plan was made for"
         )
     leaves = []
-    keys = plan.signature.in_keys or (None,) * len(leaves_with_paths)
-    for (path, x), (shape, dtype), key in zip(leaves_with_paths, plan.signature.in_avals, keys):
+    for (path, x), (shape, dtype), key in zip(leaves_with_paths, plan.signature.in_avals, plan.signature.in_keys):
         name = "args" + jax.tree_util.keystr(path)
         if key is not None:
             if key_name(x) != key:

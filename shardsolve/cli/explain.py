@@ -11,7 +11,6 @@ which shardings, demanded by which operation, bytes, time) and, with
 from __future__ import annotations
 
 import argparse
-import dataclasses
 from typing import Any, Sequence
 
 import jax
@@ -21,13 +20,13 @@ from rich.table import Table
 from rich.text import Text
 
 from shardsolve.cli.common import ModelSource, console, ms
+from shardsolve.cli.plan import leaf_view
 from shardsolve.errors import ShardsolveError
 from shardsolve.explain import explain
 from shardsolve.mesh import MeshSpec
 from shardsolve.model import load_model
 from shardsolve.plan import Plan, load_plan
 from shardsolve.sharding import Sharding
-from shardsolve.trace import key_dims
 
 
 def add_parser(sub: Any) -> None:
@@ -92,11 +91,10 @@ def _names_from_source(plan: Plan) -> list[str] | None:
 
 def _selected(plan: Plan, names: list[str], show: str) -> list[tuple[str, tuple[int, ...], str, Any]]:
     rows = []
-    in_keys = plan.signature.in_keys or (None,) * len(plan.inputs)
-    out_keys = plan.signature.out_keys or (None,) * len(plan.outputs)
-    args = [_leaf(n, a, sh, key) for n, a, sh, key in zip(names, plan.signature.in_avals, plan.inputs, in_keys)]
-    outs = [_leaf(f"outputs[{k}]", a, sh, key)
-            for k, (a, sh, key) in enumerate(zip(plan.signature.out_avals, plan.outputs, out_keys))]
+    sig = plan.signature
+    args = [(n, *leaf_view(a, sh, key)) for n, a, sh, key in zip(names, sig.in_avals, plan.inputs, sig.in_keys)]
+    outs = [(f"outputs[{k}]", *leaf_view(a, sh, key))
+            for k, (a, sh, key) in enumerate(zip(sig.out_avals, plan.outputs, sig.out_keys))]
     if show in ("args", "inputs", "params"):
         rows = args
     elif show == "outputs":
@@ -108,15 +106,6 @@ def _selected(plan: Plan, names: list[str], show: str) -> list[tuple[str, tuple[
         if not rows:
             raise ShardsolveError(f"no argument or output matches {show!r}; use --show args, outputs, all or part of a name")
     return rows
-
-
-def _leaf(name: str, aval: tuple, sharding: Sharding, key: str | None) -> tuple[str, tuple[int, ...], str, Any]:
-    """A row of ``_selected``: a typed PRNG key as the key (its data's trailing dimensions, never split, left out)."""
-    shape, dtype = tuple(aval[0]), aval[1]
-    if key is None:
-        return name, shape, dtype, sharding
-    rank = len(shape) - key_dims(key)
-    return name, shape[:rank], f"key<{key}>", dataclasses.replace(sharding, dims=sharding.dims[:rank])
 
 
 def sharding_view(name: str, shape: Sequence[int], dtype: str, sharding: Sharding, mesh: MeshSpec,

@@ -6,9 +6,9 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from typing import Any
 
-from jax.sharding import PartitionSpec
 from rich.console import Console
 from rich.table import Table
 
@@ -19,6 +19,7 @@ from shardsolve.mesh import MeshSpec
 from shardsolve.model import load_model
 from shardsolve.plan import Plan
 from shardsolve.planner import plan as make_plan
+from shardsolve.sharding import Sharding
 from shardsolve.trace import key_dims
 from shardsolve.units import format_bytes
 
@@ -114,12 +115,12 @@ def print_plan(plan: Plan, console: Console, top: int = 10) -> None:
     for col in ("value", "shape", "sharding"):
         table.add_column(col)
     names = plan.input_names or [f"args[{k}]" for k in range(len(plan.inputs))]
-    in_keys = plan.signature.in_keys or (None,) * len(plan.inputs)
-    out_keys = plan.signature.out_keys or (None,) * len(plan.outputs)
-    for name, aval, s, key in zip(names, plan.signature.in_avals, plan.inputs, in_keys):
-        table.add_row(name, *_leaf(aval, s, key))
-    for k, (aval, s, key) in enumerate(zip(plan.signature.out_avals, plan.outputs, out_keys)):
-        table.add_row(f"outputs[{k}]", *_leaf(aval, s, key))
+    sig = plan.signature
+    rows = list(zip(names, sig.in_avals, plan.inputs, sig.in_keys))
+    rows += [(f"outputs[{k}]", *leaf) for k, leaf in enumerate(zip(sig.out_avals, plan.outputs, sig.out_keys))]
+    for name, aval, s, key in rows:
+        shape, dtype, s = leaf_view(aval, s, key)
+        table.add_row(name, f"{dtype}{list(shape)}", str(s.to_spec()))
     console.print(table)
 
     if plan.collectives:
@@ -133,11 +134,11 @@ def print_plan(plan: Plan, console: Console, top: int = 10) -> None:
         console.print(coll)
 
 
-def _leaf(aval: tuple, sharding: Any, key: str | None) -> tuple[str, str]:
-    """A leaf's type and sharding as the table shows them: a typed PRNG key as the key (planned on its data,
-    whose trailing dimensions stay whole)."""
-    shape, dtype = aval
+def leaf_view(aval: tuple, sharding: Sharding, key: str | None) -> tuple[tuple[int, ...], str, Sharding]:
+    """A plan's argument or output leaf (its ``Signature`` aval, its sharding and its key implementation) as
+    shown: a typed PRNG key as the key, its data's trailing dimensions (never split) left out."""
+    shape, dtype = tuple(aval[0]), aval[1]
     if key is None:
-        return f"{dtype}{list(shape)}", str(sharding.to_spec())
+        return shape, dtype, sharding
     rank = len(shape) - key_dims(key)
-    return f"key<{key}>{list(shape[:rank])}", str(PartitionSpec(*tuple(sharding.to_spec())[:rank]))
+    return shape[:rank], f"key<{key}>", dataclasses.replace(sharding, dims=sharding.dims[:rank])
