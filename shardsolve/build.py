@@ -172,7 +172,7 @@ class ScanNodes:
     of the loop invariants (``const``, ``body_consts``). Memory: body
     ops, consts and xs live only during the scan's time step of the enclosing
     program (all at once, an over-estimate of one iteration's peak, at their
-    per-iteration bytes); carry and ys nodes hold the scan's results and live
+    per-iteration bytes; the plan's ``memory.peak_memory`` counts that peak); carry and ys nodes hold the scan's results and live
     from that step to their last reader.
     """
 

@@ -11,7 +11,10 @@ schedule (``shardsolve.schedule``) says which reads do reshard, and this
 module counts the compiled program's buffers from it (``peak_memory``):
 
 * an argument, a constant and an output for the whole program; a scan's
-  boundary and body as the problem counts them, but for its carries: XLA's
+  boundary as the problem counts it; its body, which the problem counts all
+  live during the scan's step, as one iteration's peak: each body result
+  from its op through its last reader in the body (``_iteration_peaks``, a
+  nested loop's own peak at its op); and its carries: XLA's
   while loop keeps each carry in one buffer, updated in place, so a body
   result that is a carry's next value in the carry's layout is written into
   that buffer (the carry node's bytes, ``_carry_outs_in_state``), and a
@@ -232,11 +235,16 @@ def memory_profile(graph: Graph, built: Built, assignment: Sequence[int], schedu
     delta = np.zeros(horizon + 2, dtype=np.float64)
     allocations: list[tuple[float, int]] = []  # (bytes, the first step the output's allocation is in use)
     in_state = _carry_outs_in_state(graph, built, assignment)
+    body_results: dict[tuple, list[tuple[int, float, bool]]] = {}  # loop body scope -> its results (``_iteration_peaks``)
+    body_step: dict[tuple, tuple[int, int]] = {}  # loop body scope -> the program's time step it runs in
     for k, (node, info) in enumerate(zip(problem.nodes, built.nodes)):
         if (info.kind in ("op", "operands", "kept") and not info.scope) or info.kind == "hub" or k in skip:
             continue  # counted above, from the schedule (a hub holds nothing)
         usage = max(0.0, float(node.usages[assignment[k]]) - in_state.get(k, 0.0))
-        if info.kind == "output":
+        if info.kind == "op":  # a loop body's result: one iteration's buffers, below
+            body_results.setdefault(info.scope, []).append((info.ref, usage, True))
+            body_step[info.scope] = node.interval
+        elif info.kind == "output":
             x = graph.outputs[info.ref]
             first = made[x][0] if x in made else 0
             allocations.append((usage, min(first, written_from.get(x, first))))
@@ -245,11 +253,42 @@ def memory_profile(graph: Graph, built: Built, assignment: Sequence[int], schedu
             delta[min(node.interval[1], horizon + 1)] -= usage
         else:
             temps.append((*node.interval, usage, node.name))
+    temps.extend(_iteration_peaks(built, body_results, body_step))
     fixed = sum(b for b, _ in allocations)
     for start, end, nbytes, _ in _unpacked(temps, allocations):
         delta[start] += nbytes
         delta[min(end, horizon + 1)] -= nbytes
     return np.cumsum(delta)[:horizon] + fixed
+
+
+def _iteration_peaks(built: Built, results: dict[tuple, list[tuple[int, float, bool]]],
+                     steps: dict[tuple, tuple[int, int]]) -> list[tuple[int, int, float, str]]:
+    """One temporary per outermost loop body planned op by op: the most bytes one iteration holds at once.
+
+    ``results[scope]`` lists the body's op results (body op id, bytes, True). A
+    result lives from its op through its last reader in the body (a body
+    output to the iteration's end), as XLA's buffer assignment of the loop
+    body has it; a nested loop's own peak counts at its op's position in the
+    enclosing body. The loop's state, its stacked results and its invariants
+    are nodes of their own, live over the whole step.
+    """
+    out = []
+    scopes = {scope[:n] for scope in results for n in range(1, len(scope) + 1)}
+    for scope in sorted(scopes, key=len, reverse=True):
+        body = built.scans[scope].body
+        last = body.last_use()
+        delta = np.zeros(len(body.ops) + 2)
+        for k, nbytes, own in results.get(scope, ()):
+            end = max((last.get(v, k) for v in body.ops[k].outputs), default=k) + 1 if own else k + 1
+            delta[k] += nbytes
+            delta[end] -= nbytes
+        peak = float(np.cumsum(delta).max())
+        if len(scope) > 1:
+            results.setdefault(scope[:-1], []).append((scope[-1], peak, False))
+            steps.setdefault(scope[:-1], steps.get(scope, (0, 0)))
+        elif peak > 0 and scope in steps:
+            out.append((*steps[scope], peak, f"one iteration of loop op {scope[0]}"))
+    return out
 
 
 def _carried_into(graph: Graph, built: Built, vid: int, k: int) -> int | None:

@@ -79,6 +79,15 @@ def _accumulated_in_a_scan(w, xs):
     return lax.scan(body, jnp.zeros_like(w), xs)[0]
 
 
+def _chain_in_a_loop(w, x):
+    def body(_, h):  # each matmul's result is a buffer that dies at the next: one iteration holds two at once
+        for _ in range(4):
+            h = jnp.sort(h @ w, axis=-1)
+        return h
+
+    return lax.fori_loop(0, 3, body, x)
+
+
 POOL_ARGS = (jax.ShapeDtypeStruct((16, 64, 64, 32), F32), jax.ShapeDtypeStruct((16, 32, 32, 32), F32))
 SCATTER_ARGS = (jax.ShapeDtypeStruct((2048,), jnp.int32), jax.ShapeDtypeStruct((2048, 256), F32))
 SGD_ARGS = ({"w1": jax.ShapeDtypeStruct((1024, 4096), F32), "w2": jax.ShapeDtypeStruct((4096, 1024), F32)},
@@ -126,8 +135,9 @@ def test_scratch_measured_in_the_background_is_the_compiled_scratch():
     (_sgd_step, SGD_ARGS, ({"w1": P(None, "model"), "w2": P("model", None)}, P("data")), None),
     (_matmul_cut_late, (SQUARE, SQUARE), (P(), P()), P(("data", "model"))),
     (_accumulated_in_a_scan, SCAN_ARGS, (P(), P()), None),
+    (_chain_in_a_loop, (SQUARE, SQUARE), (P(), P()), None),
 ], ids=["max-pool gradient", "scatter-add into zeros", "output made last", "SGD step", "matmul cut late",
-        "carry accumulated in a scan"])
+        "carry accumulated in a scan", "chain of buffers in a loop body"])
 def test_planned_peak_is_the_compiled_peak(fun, args, pins, outs):
     plan = shardsolve.plan(fun, *args, mesh=MESH, in_shardings=pins, out_shardings=outs)
     compiled = _compiled_peak(plan, args)
