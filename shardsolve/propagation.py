@@ -151,6 +151,9 @@ def propagated_scopes(graph: Graph, built: Built, mesh: MeshSpec, inputs: Sequen
     return out
 
 
+_MISSING = object()  # a value whose sharding propagation's program does not give
+
+
 def propagated_assignment(graph: Graph, built: Built,
                           scoped: dict[Scope, dict[int, Sharding]]) -> tuple[np.ndarray, np.ndarray]:
     """``scoped`` (``propagated_scopes``) as an assignment of ``built``'s problem: (strategy per node,
@@ -172,13 +175,15 @@ def propagated_assignment(graph: Graph, built: Built,
             choose(k, None if isinstance(out, Lit) else top.get(out), info.shardings)
         elif info.kind == "op" and info.scope in scoped:
             shardings = scoped[info.scope]
-            op = graph.nested(info.scope).ops[info.ref]
-            wants = [shardings.get(v) for v in op.outputs]
-            if any(w is None for w in wants):
+            g = graph.nested(info.scope)
+            op = g.ops[info.ref]
+            # An empty result (a split's zero-width part) holds no data: any layout of it matches.
+            wants = [None if 0 in g.values[v].shape else shardings.get(v, _MISSING) for v in op.outputs]
+            if any(w is _MISSING for w in wants):
                 continue
             best = None
             for s, strategy in enumerate(info.strategies):
-                if any(Sharding(r.dims) != w for r, w in zip(strategy.results, wants)):
+                if any(w is not None and Sharding(r.dims) != w for r, w in zip(strategy.results, wants)):
                     continue
                 score = sum(not isinstance(v, Lit) and shardings.get(v) == o for v, o in zip(op.inputs, strategy.operands))
                 score -= 0.5 * sum(bool(r.partial) for r in strategy.results)  # an exact result before a pending sum

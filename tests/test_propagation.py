@@ -112,3 +112,25 @@ def test_an_option_the_compiler_does_not_know_is_left_out_of_the_fast_compile(mo
     want = propagated_shardings(graph, mesh, pins, [None])
     monkeypatch.setattr(propagation, "FAST_COMPILE", {**propagation.FAST_COMPILE, "xla_no_such_option": True})
     assert propagated_shardings(graph, mesh, pins, [None]) == want
+
+
+def test_a_split_with_an_empty_part_is_read_by_its_parts_that_hold_data():
+    """Shardy leaves a zero-width result unsplit; it holds no data, so the split is read by its other part."""
+    def halves(x):
+        head, empty = jnp.split(x, [x.shape[1]], axis=1)
+        return jnp.tanh(head), empty
+
+    mesh = MeshSpec.parse(MESH)
+    args = (jax.ShapeDtypeStruct((16, 8), jnp.float32),)
+    pins = (P("data", None),)
+    traced = trace(halves, *args)
+    graph = Graph.from_traced(traced)
+    built = build_problem(graph, mesh, argument_pins(traced, pins, mesh), output_pins(traced, None, mesh), None, [])
+    shardings = propagated_shardings(graph, mesh, [Sharding.from_spec(pins[0], 2, mesh)], [None, None])
+    (split,) = [op for op in graph.ops if op.primitive == "split"]
+    assert 0 in graph.values[split.outputs[1]].shape
+    x, matched = propagated_assignment(graph, built, {(): shardings})
+    k = built.op_node[split.id]
+    assert matched[k]
+    assert built.nodes[k].strategies[x[k]].results[0] == shardings[split.outputs[0]] == Sharding.from_spec(
+        P("data", None), 2, mesh)
