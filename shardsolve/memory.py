@@ -47,6 +47,10 @@ module counts the compiled program's buffers from it (``peak_memory``):
   scaled into the parameter update), hands its buffer to that op's result,
   one buffer a result (and a buffer handed on to an output is that output's
   allocation);
+* a reshape (or a broadcast adding only dimensions of one) of a buffer read
+  in the layout it was made in, with as many local bytes, is a bitcast in
+  XLA: a view of that buffer, no buffer of its own, and the buffer lives as
+  long as the view is read (``_bitcasts``);
 * an op's scratch (``shardsolve.workspace``) during its step.
 
 The temporaries then go where XLA's buffer assignment puts them
@@ -77,7 +81,7 @@ from typing import Sequence
 import numpy as np
 
 from shardsolve.build import FUSED_CONSUMERS, FUSED_PRODUCERS, Built, fused, memory_traffic, runs_in, updated_in_place
-from shardsolve.graph import Graph, ScanBoundary
+from shardsolve.graph import Graph, Lit, ScanBoundary
 from shardsolve.mesh import MeshSpec
 from shardsolve.schedule import LOOP_INVARIANTS, OPERANDS, Schedule
 from shardsolve.sharding import Sharding
@@ -195,18 +199,21 @@ def memory_profile(graph: Graph, built: Built, assignment: Sequence[int], schedu
             buffers[key][1] = step
     temps.extend((*b, f"{graph.values[v].name} in {layout}") for (v, layout), b in buffers.items())
 
+    views, viewed_until = _bitcasts(graph, built, assignment, made, arrived, last_read, mesh)
     last_use = graph.last_use()
     lives: dict[int, tuple[int, int, float]] = {}
     hands: dict[int, int] = {}  # value -> the result its buffer becomes
     taken: set[int] = set()  # results that took a buffer over
     for vid, (start, layout, end) in made.items():
-        if end <= start or vid in graph.output_ids:  # fused (never written), or an output's own allocation
-            continue
+        if end <= start or vid in graph.output_ids or vid in views:  # fused (never written), an output's own
+            continue  # allocation, or a view of another buffer
         v = graph.values[vid]
         nbytes = layout.local_bytes(v.shape, v.itemsize, mesh)
         read_until = last_read.get(vid, start + 1)
         k = last_use.get(vid)
-        if (vid, k) in aliased and read_until == runs[k] + 2:
+        if vid in viewed_until:  # read through a view until then
+            read_until = end = max(read_until, viewed_until[vid])
+        elif (vid, k) in aliased and read_until == runs[k] + 2:
             carried = _carried_into(graph, built, vid, k)
             if carried is not None:  # the loop's state starts in this buffer
                 if carried not in taken:
@@ -259,6 +266,42 @@ def memory_profile(graph: Graph, built: Built, assignment: Sequence[int], schedu
         delta[start] += nbytes
         delta[min(end, horizon + 1)] -= nbytes
     return np.cumsum(delta)[:horizon] + fixed
+
+
+#: Primitives that XLA compiles to a bitcast of their operand where they keep its bytes: a new shape, no copy.
+BITCASTS = frozenset({"reshape", "squeeze", "expand_dims", "broadcast_in_dim", "bitcast_convert_type"})
+
+
+def _bitcasts(graph: Graph, built: Built, assignment: Sequence[int], made: dict, arrived: dict,
+              last_read: dict[int, int], mesh: MeshSpec) -> tuple[dict[int, int], dict[int, int]]:
+    """The written results that are views of their operand's buffer, and how long each viewed buffer is read.
+
+    A reshape (or a broadcast that only adds dimensions of size one) whose
+    operand is a buffer read in the layout it was made in, with as many
+    local bytes as its result, is a bitcast in XLA: its result is no buffer
+    of its own, and the operand's buffer lives as long as the result is read.
+    Returns (result -> operand, operand -> the step after the last read
+    through its views).
+    """
+    views: dict[int, int] = {}
+    until: dict[int, int] = {}
+    for op in reversed(graph.ops):  # a view of a view extends the first buffer
+        if op.primitive not in BITCASTS or len(op.outputs) != 1 or isinstance(op.inputs[0], Lit):
+            continue
+        v, u = op.outputs[0], op.inputs[0]
+        idx, own = built.op_node.get(op.id), made.get(v)
+        if idx is None or own is None or own[2] <= own[0] or v in graph.output_ids:
+            continue
+        source = made[u][1] if u in made and made[u][2] > made[u][0] else arrived.get(u)
+        if source is None or built.nodes[idx].strategies[assignment[idx]].operands[0] != source:
+            continue
+        rv, uv = graph.values[v], graph.values[u]
+        if own[1].local_bytes(rv.shape, rv.itemsize, mesh) != source.local_bytes(uv.shape, uv.itemsize, mesh):
+            continue
+        views[v] = u
+        if u in made:
+            until[u] = max(until.get(u, 0), until.get(v, 0), last_read.get(v, own[0] + 1))
+    return views, until
 
 
 def _iteration_peaks(built: Built, results: dict[tuple, list[tuple[int, float, bool]]],

@@ -79,6 +79,12 @@ def _accumulated_in_a_scan(w, xs):
     return lax.scan(body, jnp.zeros_like(w), xs)[0]
 
 
+def _read_through_a_reshape(x, w):
+    y = x @ w  # a buffer; its reshape is a view of it (a bitcast), no buffer of its own
+    flat = y.reshape(-1)
+    return jnp.dot(flat, flat) * jnp.sort(y, axis=0)
+
+
 def _chain_in_a_loop(w, x):
     def body(_, h):  # each matmul's result is a buffer that dies at the next: one iteration holds two at once
         for _ in range(4):
@@ -136,8 +142,10 @@ def test_scratch_measured_in_the_background_is_the_compiled_scratch():
     (_matmul_cut_late, (SQUARE, SQUARE), (P(), P()), P(("data", "model"))),
     (_accumulated_in_a_scan, SCAN_ARGS, (P(), P()), None),
     (_chain_in_a_loop, (SQUARE, SQUARE), (P(), P()), None),
+    (_read_through_a_reshape, LAST_ARGS, (P(), P()), None),
 ], ids=["max-pool gradient", "scatter-add into zeros", "output made last", "SGD step", "matmul cut late",
-        "carry accumulated in a scan", "chain of buffers in a loop body"])
+        "carry accumulated in a scan", "chain of buffers in a loop body",
+        "read through a reshape"])
 def test_planned_peak_is_the_compiled_peak(fun, args, pins, outs):
     plan = shardsolve.plan(fun, *args, mesh=MESH, in_shardings=pins, out_shardings=outs)
     compiled = _compiled_peak(plan, args)
