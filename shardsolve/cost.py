@@ -87,6 +87,9 @@ class ReshardStep:
     dimension an all-to-all unshards. ``bytes`` is per device, the larger of
     the step's input and output buffers, at the itemsize its caller gives
     (the planner's: what the backend's collectives move, ``wire_itemsize``).
+    A step of an empty value (a dimension of size 0) moves nothing and is no
+    collective: it costs nothing, and the rewriter makes the empty shard of
+    ``dst`` where it is.
     """
 
     kind: str  # all-gather, all-reduce, reduce-scatter, all-to-all, collective-permute, slice or relabel
@@ -99,7 +102,7 @@ class ReshardStep:
 
     @property
     def is_collective(self) -> bool:
-        return self.kind not in LOCAL_STEPS
+        return self.kind not in LOCAL_STEPS and self.bytes > 0
 
 
 # -- collectives and compute ---------------------------------------------------------
@@ -123,7 +126,7 @@ class CollectiveCost:
     passes: float
 
     def time(self, nbytes: float) -> float:
-        if not self.passes:
+        if not self.passes or nbytes <= 0:  # (an empty value moves nothing)
             return 0.0
         return self.latency + self.passes * nbytes * self.share / self.group / self.bandwidth
 
@@ -744,7 +747,7 @@ class ReshardTables:
             for a, s in enumerate(su):
                 for b, d in enumerate(du):
                     for step in reshard_steps(shape, itemsize, shardings[s], shardings[d], mesh) or ():
-                        if step.kind in COMBINED_KINDS:
+                        if step.kind in COMBINED_KINDS and step.is_collective:
                             c = collective_cost(step.kind, step.axes, mesh)
                             k = (step.kind, step.axes, step.src.reduce_op)
                             if k not in small:

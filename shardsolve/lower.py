@@ -170,6 +170,9 @@ class PartitionedValue:
         """One reshard step on the local shard."""
         assert step.src == self.sharding, (step.src, self.sharding)
         x = self.local
+        if 0 in self.shape:  # an empty value moves nothing: its empty shard in the new layout
+            return PartitionedValue(jnp.zeros(step.dst.local_shape(self.shape, self.mesh), x.dtype), step.dst,
+                                    self.shape, self.mesh, self.axis_index)
         if step.is_collective:
             # Keep XLA from rewriting the collective away (it folds an all-gather of a
             # broadcast, or an all-reduce of a value it proves replicated): the program

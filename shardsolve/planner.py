@@ -489,7 +489,7 @@ MEMORY_CHECKS = ("compiled", "model")
 MEMORY_ROUNDS = 4  # solves under the limit at most, the first included
 #: While no plan found fits as compiled, the search goes on to this many solves, as long as the solves so far
 #: (their wall clock) leave ``time_limit`` room for one more: a limit a known sharding meets is not refused
-#: while time remains (MoE small on 1x8 under its expert's 368 KiB: the ninth solve's plan compiles to 362 KiB).
+#: while time remains (MoE small on 1x8 under its expert's 368 KiB: the fifth solve's plan compiles to 346 KiB).
 MEMORY_ROUNDS_UNFIT = 12
 #: ``time_limit`` covers every solve of one ``plan`` call, in fixed shares (so that the plan does not depend on
 #: the clock): with a compiled memory check the solve without the limit gets ``UNLIMITED_SHARE`` of it (where

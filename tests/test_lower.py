@@ -134,6 +134,26 @@ def test_reshard_each_step_kind(src, dst, kinds):
     assert sorted(c.kind for c in found) == sorted(kinds)
 
 
+def test_an_empty_value_is_resharded_without_a_collective():
+    """A split's zero-width part laid out anew moves nothing: no step communicates, it costs nothing, and the
+    planned program runs with no collective for it."""
+    x = np.zeros((8, 0), dtype=np.float32)
+    src, dst = Sharding((("data", "model"), ())), Sharding(((), ()))
+    assert not any(s.is_collective for s in reshard_steps(x.shape, 4, src, dst, MESH))
+    assert reshard_time(x.shape, 4, src, dst, MESH) == 0.0
+    out, found = _run_reshard(x, src, dst, MESH)
+    assert out.shape == (8, 0) and not found
+
+    def halves(v):
+        head, empty = jnp.split(v, [v.shape[1]], axis=1)
+        return jnp.tanh(head), empty
+
+    arg = jnp.arange(16 * 8, dtype=jnp.float32).reshape(16, 8)
+    plan = shardsolve.plan(halves, arg, mesh=MESH, in_shardings=(P("data"),), out_shardings=(P("data"), P()))
+    assert not plan.collectives
+    assert shardsolve.verify(plan, arg).ok
+
+
 def test_partial_max_reshard_uses_pmax():
     x = np.arange(8 * 16, dtype=np.float32).reshape(8, 16) - 50
     src = Sharding(((), ()), ("model",), "max")
