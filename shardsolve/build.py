@@ -172,8 +172,9 @@ class ScanNodes:
     of the loop invariants (``const``, ``body_consts``). Memory: body
     ops, consts and xs live only during the scan's time step of the enclosing
     program (all at once, an over-estimate of one iteration's peak, at their
-    per-iteration bytes; the plan's ``memory.peak_memory`` counts that peak); carry and ys nodes hold the scan's results and live
-    from that step to their last reader.
+    per-iteration bytes; the plan's ``memory.peak_memory`` counts that
+    peak); carry and ys nodes hold the scan's results and live from that
+    step to their last reader.
     """
 
     op: int  # the scan's op id in its graph

@@ -242,7 +242,7 @@ def memory_profile(graph: Graph, built: Built, assignment: Sequence[int], schedu
     delta = np.zeros(horizon + 2, dtype=np.float64)
     allocations: list[tuple[float, int]] = []  # (bytes, the first step the output's allocation is in use)
     in_state = _carry_outs_in_state(graph, built, assignment)
-    body_results: dict[tuple, list[tuple[int, float, bool]]] = {}  # loop body scope -> its results (``_iteration_peaks``)
+    body_results: dict[tuple, list[tuple[int, float, bool]]] = {}  # loop body scope -> ``_iteration_peaks``' results
     body_step: dict[tuple, tuple[int, int]] = {}  # loop body scope -> the program's time step it runs in
     for k, (node, info) in enumerate(zip(problem.nodes, built.nodes)):
         if (info.kind in ("op", "operands", "kept") and not info.scope) or info.kind == "hub" or k in skip:
@@ -308,10 +308,11 @@ def _iteration_peaks(built: Built, results: dict[tuple, list[tuple[int, float, b
                      steps: dict[tuple, tuple[int, int]]) -> list[tuple[int, int, float, str]]:
     """One temporary per outermost loop body planned op by op: the most bytes one iteration holds at once.
 
-    ``results[scope]`` lists the body's op results (body op id, bytes, True). A
-    result lives from its op through its last reader in the body (a body
+    ``results[scope]`` lists (body op id, bytes, True) for each body op's
+    results (a nested loop's own peak is added as (its op id, peak, False)).
+    A result lives from its op through its last reader in the body (a body
     output to the iteration's end), as XLA's buffer assignment of the loop
-    body has it; a nested loop's own peak counts at its op's position in the
+    body has it; a nested loop's peak counts at its op's position in the
     enclosing body. The loop's state, its stacked results and its invariants
     are nodes of their own, live over the whole step.
     """
