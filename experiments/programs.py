@@ -29,6 +29,9 @@ annotation or anything the planner was tuned on:
   until every sequence has ended (a condition over the split batch);
 * ``vae``: a variational autoencoder drawing its noise from a typed PRNG key
   carried in the state and split each step;
+* ``block_attention``: attention over key/value blocks in a ``lax.fori_loop`` with an online softmax;
+* ``hvp_step``: a step scaled by a Hessian-vector product along the gradient (``jax.jvp`` of ``jax.grad``);
+* ``circular_pipeline``: pipeline stages under ``jax.vmap`` in a ``lax.scan``, the state rolled each step;
 * ``constrained_lm``: a language model with MaxText-style activation
   constraints inside (``with_sharding_constraint`` with bare ``PartitionSpec``s),
   which propagation and the planner both hold.
@@ -450,8 +453,76 @@ def vae(size: str):
     return step, (state, data), (None, BATCH)
 
 
+def block_attention(size: str):
+    """Attention over key/value blocks in a ``lax.fori_loop`` with an online softmax (a running maximum and
+    sum rescale the accumulated output), flash-attention's recurrence: ``(params, x) -> (params, loss)``."""
+    batch, seq, d, block = (16, 2048, 1024, 256) if size == "large" else (8, 64, 32, 16)
+    params = {"q": S((d, d), f32), "k": S((d, d), f32), "v": S((d, d), f32)}
+
+    def loss(p, x):
+        q, k, v = x @ p["q"], x @ p["k"], x @ p["v"]
+
+        def body(i, c):
+            top, total, acc = c
+            kb = lax.dynamic_slice_in_dim(k, i * block, block, 1)
+            vb = lax.dynamic_slice_in_dim(v, i * block, block, 1)
+            s = jnp.einsum("bqd,bkd->bqk", q, kb) / d ** 0.5
+            new_top = jnp.maximum(top, s.max(-1))
+            w = jnp.exp(s - new_top[..., None])
+            scale = jnp.exp(top - new_top)
+            return new_top, total * scale + w.sum(-1), acc * scale[..., None] + jnp.einsum("bqk,bkd->bqd", w, vb)
+
+        init = (jnp.full((batch, seq), -1e30), jnp.zeros((batch, seq)), jnp.zeros((batch, seq, d)))
+        _, total, acc = lax.fori_loop(0, seq // block, body, init)
+        return jnp.mean((acc / total[..., None] - x) ** 2)
+
+    return sgd(loss), (params, S((batch, seq, d), f32)), (None, P("data"))
+
+
+def hvp_step(size: str):
+    """A step along the gradient scaled by its curvature: a Hessian-vector product (``jax.jvp`` of
+    ``jax.grad``) and the gradients flattened for ``jnp.vdot``: ``(params, x) -> (params, loss)``."""
+    batch, d = (1024, 4096) if size == "large" else (16, 64)
+    params = {"w1": S((d, 2 * d), f32), "w2": S((2 * d, d), f32)}
+
+    def loss(p, x):
+        return jnp.mean((jnp.tanh(x @ p["w1"]) @ p["w2"] - x) ** 2)
+
+    def step(p, x):
+        g = jax.grad(loss)(p, x)
+        _, hv = jax.jvp(lambda q: jax.grad(loss)(q, x), (p,), (g,))
+        num = sum(jnp.vdot(a, a) for a in jax.tree.leaves(g))
+        den = sum(jnp.vdot(a, b) for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(hv))) + 1e-6
+        return jax.tree.map(lambda a, b: a - num / den * b, p, g), loss(p, x)
+
+    return step, (params, S((batch, d), f32)), (None, P("data"))
+
+
+def circular_pipeline(size: str):
+    """A circular pipeline of stages (``jax.vmap`` over stacked stage weights) in a ``lax.scan`` over
+    microbatches, the state rolled one stage on each step (praxis' pattern): ``(params, microbatches) ->
+    (params, loss)``, the microbatches' batch dimension annotated."""
+    stages, micro, batch, d = (4, 8, 256, 2048) if size == "large" else (4, 8, 8, 64)
+    params = {"w": S((stages, d, d), f32)}
+
+    def loss(p, mbs):
+        def body(c, t):
+            state, outs = c
+            state = state.at[0].set(jnp.where(t < micro, mbs[jnp.minimum(t, micro - 1)], 0.0))
+            state = jax.vmap(lambda w, h: jnp.tanh(h @ w))(p["w"], state)
+            outs = lax.dynamic_update_index_in_dim(outs, state[-1], jnp.clip(t - stages + 1, 0, micro - 1), 0)
+            return (jnp.roll(state, 1, 0), outs), None
+
+        init = (jnp.zeros((stages, batch, d)), jnp.zeros_like(mbs))
+        (_, outs), _ = lax.scan(body, init, jnp.arange(micro + stages - 1))
+        return jnp.mean((outs - mbs) ** 2)
+
+    return sgd(loss), (params, S((micro, batch, d), f32)), (None, P(None, "data"))
+
+
 PROGRAMS: dict[str, Callable] = {"vit": vit, "gru": gru, "mixer": mixer, "twotower": twotower, "conv1d": conv1d,
                                  "remat_lm": remat_lm, "bf16_mlp": bf16_mlp, "adam_mlp": adam_mlp, "cnn2d": cnn2d,
                                  "moe_top2": moe_top2, "segment_bag": segment_bag, "gnn": gnn,
                                  "constrained_lm": constrained_lm, "mobilenet": mobilenet, "accum_steps": accum_steps,
-                                 "decode_loop": decode_loop, "vae": vae}
+                                 "decode_loop": decode_loop, "vae": vae, "block_attention": block_attention,
+                                 "hvp_step": hvp_step, "circular_pipeline": circular_pipeline}
