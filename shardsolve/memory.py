@@ -51,6 +51,10 @@ module counts the compiled program's buffers from it (``peak_memory``):
   in the layout it was made in, with as many local bytes, is a bitcast in
   XLA: a view of that buffer, no buffer of its own, and the buffer lives as
   long as the view is read (``_bitcasts``);
+* an array filled from a scalar (a ``broadcast_in_dim`` of one, an
+  ``iota``) in the largest layout a reader reads it in: XLA's simplifier
+  moves the readers' cuts into it (``_fills``; in a loop body
+  ``_filled_as_read``);
 * an op's scratch (``shardsolve.workspace``) during its step.
 
 The temporaries then go where XLA's buffer assignment puts them
@@ -138,6 +142,7 @@ def memory_profile(graph: Graph, built: Built, assignment: Sequence[int], schedu
     arrived = {v: built.sharding(built.value_node[v], assignment) for v in (*graph.inputs, *graph.consts)
                if v in built.value_node}
     runs = runs_in(graph)  # a read by a fused op is done where that op's work is
+    read_bytes: dict[int, float] = {}  # value -> the largest layout it is read in (``_fills``)
     for d in schedule.demands:
         if d.site.kind not in (OPERANDS, LOOP_INVARIANTS) or d.site.scope != () or d.scope != ():
             continue
@@ -146,6 +151,7 @@ def memory_profile(graph: Graph, built: Built, assignment: Sequence[int], schedu
         own = made.get(d.value)
         produced = own[1] if own is not None else arrived.get(d.value)
         nbytes = d.target.local_bytes(v.shape, v.itemsize, mesh)
+        read_bytes[d.value] = max(read_bytes.get(d.value, 0.0), nbytes)
         # A local cut of a buffer that stays (no collective) is made where it is read: fused into an
         # elementwise reader, a buffer of the read's step for any other.
         fused_read = d.site.kind == OPERANDS and graph.ops[d.site.index].primitive in FUSED_CONSUMERS
@@ -209,6 +215,8 @@ def memory_profile(graph: Graph, built: Built, assignment: Sequence[int], schedu
             continue  # allocation, or a view of another buffer
         v = graph.values[vid]
         nbytes = layout.local_bytes(v.shape, v.itemsize, mesh)
+        if _fills(graph, v.producer) and vid in read_bytes:  # made as its readers cut it
+            nbytes = min(nbytes, read_bytes[vid])
         read_until = last_read.get(vid, start + 1)
         k = last_use.get(vid)
         if vid in viewed_until:  # read through a view until then
@@ -249,6 +257,7 @@ def memory_profile(graph: Graph, built: Built, assignment: Sequence[int], schedu
             continue  # counted above, from the schedule (a hub holds nothing)
         usage = max(0.0, float(node.usages[assignment[k]]) - in_state.get(k, 0.0))
         if info.kind == "op":  # a loop body's result: one iteration's buffers, below
+            usage = min(usage, _filled_as_read(built, info.scope, info.ref, assignment, mesh))
             body_results.setdefault(info.scope, []).append((info.ref, usage, True))
             body_step[info.scope] = node.interval
         elif info.kind == "output":
@@ -302,6 +311,37 @@ def _bitcasts(graph: Graph, built: Built, assignment: Sequence[int], made: dict,
         if u in made:
             until[u] = max(until.get(u, 0), until.get(v, 0), last_read.get(v, own[0] + 1))
     return views, until
+
+
+def _fills(g: Graph, k: int) -> bool:
+    """Whether op ``k`` of ``g`` fills an array from a scalar (a ``broadcast_in_dim`` of one, an ``iota``):
+    XLA's simplifier moves its readers' cuts into it, so it is made in the largest layout a reader reads it in."""
+    op = g.ops[k]
+    return op.primitive in _FILLS and len(op.outputs) == 1 and all(
+        isinstance(x, Lit) or not g.values[x].shape for x in op.inputs)
+
+
+def _filled_as_read(built: Built, scope: tuple, k: int, assignment: Sequence[int], mesh: MeshSpec) -> float:
+    """The bytes of loop body op ``k``'s result where it fills an array from a scalar (``_fills``): the
+    largest layout a reader in the body reads it in (``inf`` for any other op: its own layout counts)."""
+    sn = built.scans[scope]
+    op = sn.body.ops[k]
+    if not _fills(sn.body, k):
+        return math.inf
+    v = sn.body.values[op.outputs[0]]
+    if v.id in sn.body.output_ids:
+        return math.inf
+    largest = 0.0
+    for reader, position in sn.body.consumers.get(v.id, []):
+        idx = sn.op_node.get(reader)
+        if idx is None:
+            return math.inf
+        layout = built.nodes[idx].strategies[assignment[idx]].operands[position]
+        largest = max(largest, layout.local_bytes(v.shape, v.itemsize, mesh))
+    return largest if largest else math.inf
+
+
+_FILLS = frozenset({"broadcast_in_dim", "iota"})
 
 
 def _iteration_peaks(built: Built, results: dict[tuple, list[tuple[int, float, bool]]],

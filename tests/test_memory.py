@@ -85,6 +85,22 @@ def _read_through_a_reshape(x, w):
     return jnp.dot(flat, flat) * jnp.sort(y, axis=0)
 
 
+def _block_attention(w, x):
+    def loss(w):
+        q, k = x @ w, x @ w.T
+
+        def body(i, c):  # its gradient adds each block into zeros of k's whole shape, filled as the update reads them
+            total, acc = c
+            kb = lax.dynamic_slice_in_dim(k, i * 128, 128, 1)
+            s = jnp.exp(jnp.einsum("bqd,bkd->bqk", q, kb))
+            return total + s.sum(-1), acc + jnp.einsum("bqk,bkd->bqd", s, kb)
+
+        total, acc = lax.fori_loop(0, 4, body, (jnp.zeros(x.shape[:2]), jnp.zeros(x.shape)))
+        return jnp.mean(acc / total[..., None])
+
+    return jax.grad(loss)(w)
+
+
 def _chain_in_a_loop(w, x):
     def body(_, h):  # each matmul's result is a buffer that dies at the next: one iteration holds two at once
         for _ in range(4):
@@ -143,9 +159,11 @@ def test_scratch_measured_in_the_background_is_the_compiled_scratch():
     (_accumulated_in_a_scan, SCAN_ARGS, (P(), P()), None),
     (_chain_in_a_loop, (SQUARE, SQUARE), (P(), P()), None),
     (_read_through_a_reshape, LAST_ARGS, (P(), P()), None),
+    (_block_attention, (jax.ShapeDtypeStruct((256, 256), F32), jax.ShapeDtypeStruct((16, 512, 256), F32)),
+     (P(), P("data")), None),
 ], ids=["max-pool gradient", "scatter-add into zeros", "output made last", "SGD step", "matmul cut late",
         "carry accumulated in a scan", "chain of buffers in a loop body",
-        "read through a reshape"])
+        "read through a reshape", "zeros filled as a loop body reads them"])
 def test_planned_peak_is_the_compiled_peak(fun, args, pins, outs):
     plan = shardsolve.plan(fun, *args, mesh=MESH, in_shardings=pins, out_shardings=outs)
     compiled = _compiled_peak(plan, args)
