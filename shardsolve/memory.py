@@ -357,6 +357,7 @@ def _iteration_peaks(built: Built, results: dict[tuple, list[tuple[int, float, b
     are nodes of their own, live over the whole step.
     """
     out = []
+    results, steps = {scope: list(r) for scope, r in results.items()}, dict(steps)  # (the caller's stay as given)
     scopes = {scope[:n] for scope in results for n in range(1, len(scope) + 1)}
     for scope in sorted(scopes, key=len, reverse=True):
         body = built.scans[scope].body
