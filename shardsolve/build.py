@@ -290,10 +290,14 @@ def memory_traffic(g: Graph, op: Op) -> tuple[bool, ...]:
 
     A value is fused (never written, never loaded) when its producer is a
     fusable producer, every reader a fusable consumer (``cost.fusion_classes``)
-    and it is no output of ``g``, and either it has one reader or its producer
-    is as cheap to repeat as a broadcast or an iota (XLA writes out a value of
-    several readers rather than compute it again). Everything else (matmuls,
-    gathers, arguments, outputs, a scan's boundary) moves.
+    and it is no output of ``g``, and either it has one reader, or its producer
+    is as cheap to repeat as a broadcast or an iota, or it is cheap elementwise
+    work (``_CHEAP``) that every reader, an elementwise op, computes again from
+    buffers that live on past the last of them anyway (``_outlived``: gelu's
+    halved input, read by the forward product and the backward pass). XLA writes
+    out any other value of several readers rather than compute it again.
+    Everything else (matmuls, gathers, arguments, outputs, a scan's boundary)
+    moves.
     """
     known = g.memo.get(memory_traffic)
     if known is None:
@@ -405,9 +409,44 @@ def _fused(g: Graph, vid: int) -> bool:
     readers = g.consumers.get(vid, [])
     if producer not in FUSED_PRODUCERS or not readers or vid in g.output_ids:
         return False
-    if len(readers) > 1 and producer not in _REPEATABLE:
-        return False
+    if len(readers) > 1 and producer not in _REPEATABLE:  # computed again in each reader, or written out
+        return producer in _CHEAP and all(g.ops[k].primitive in _CHEAP_READERS for k, _ in readers) \
+            and _outlived(g, vid)
     return all(g.ops[k].primitive in FUSED_CONSUMERS for k, _ in readers)
+
+
+#: Elementwise ops XLA's fusion computes again in each fusion that reads them (not ``IsExpensive``: no division,
+#: no transcendental).
+_CHEAP = frozenset({"add", "add_any", "sub", "mul", "neg", "abs", "max", "min", "select_n", "convert_element_type",
+                    "and", "or", "not", "xor", "eq", "ne", "lt", "le", "gt", "ge", "sign", "floor", "ceil", "round",
+                    "square", "integer_pow", "copy", "copy_p", "reshape", "squeeze", "expand_dims"})
+
+
+#: Readers that compute a ``_CHEAP`` value of several readers again inside them: elementwise loop fusions (XLA's
+#: CPU backend reduces in fusions of its own, which read such a value written out).
+_CHEAP_READERS = FUSED_PRODUCERS
+
+
+def _outlived(g: Graph, vid: int) -> bool:
+    """Whether every buffer ``vid`` is computed from (its producer's operands, through those computed inside
+    their readers in turn) is an argument or a constant, or read again at or after the last reader of ``vid``:
+    computing ``vid`` inside each reader then keeps nothing alive longer than writing it out would, and XLA's
+    fusion does so (``_CHEAP`` ops of several readers, each reader a loop fusion)."""
+    last = g.memo.get(_outlived)
+    if last is None:
+        last = g.memo[_outlived] = g.last_use()
+    until = max(k for k, _ in g.consumers.get(vid, ()))
+    stack, seen = list(g.ops[g.values[vid].producer].inputs), set()
+    while stack:
+        x = stack.pop()
+        if isinstance(x, Lit) or x in seen or g.values[x].kind != "result":
+            continue
+        seen.add(x)
+        if fused(g, x):
+            stack.extend(g.ops[g.values[x].producer].inputs)
+        elif last.get(x, -1) < until:
+            return False
+    return True
 
 
 def stacked_ys_time(g: Graph, vid: int, stacked_bytes: np.ndarray, mesh: MeshSpec) -> np.ndarray:
@@ -419,6 +458,31 @@ def stacked_ys_time(g: Graph, vid: int, stacked_bytes: np.ndarray, mesh: MeshSpe
     """
     passes = 1 + 2 * any(g.ops[k].primitive == "scan" for k, _ in g.consumers.get(vid, []))
     return passes * stacked_bytes / mesh.hbm_bandwidth
+
+
+#: Ops XLA's loop-invariant code motion leaves in the loop: loops and conditionals of their own, and those
+#: that make nothing from their operands (an ``iota``, a broadcast of a literal: hoisted only with a reader).
+_NOT_HOISTED = frozenset({"scan", "while", "cond", "rng_bit_generator", "rng_uniform"})
+
+
+def loop_invariant_ops(body: Graph, invariants: frozenset[int]) -> frozenset[int]:
+    """The ops of a loop body that read only the loop's invariants (``invariants``: its consts and closed-over
+    constants) and other such ops' results: XLA hoists them out of the while loop and computes them once.
+
+    An op with no operand but literals (an ``iota``) makes an invariant but stays where it is: XLA hoists it
+    only along with a reader, and it costs next to nothing either way.
+    """
+    made = set(invariants)
+    once: set[int] = set()
+    for op in body.ops:
+        if op.primitive in _NOT_HOISTED:
+            continue
+        reads = [x for x in op.inputs if not isinstance(x, Lit)]
+        if all(x in made for x in reads):
+            made.update(op.outputs)
+            if reads:
+                once.add(op.id)
+    return frozenset(once)
 
 
 def expandable(op: Op) -> bool:
@@ -1006,10 +1070,17 @@ class ProblemBuilder:
 
     # -- operations --------------------------------------------------------------------
 
-    def add_ops(self, g: Graph, scope: Scope, scale: float, within: tuple[int, int] | None, prefix: str) -> None:
-        """Every op of ``g`` (the program, or a scan body living in the time step ``within``)."""
+    def add_ops(self, g: Graph, scope: Scope, scale: float, within: tuple[int, int] | None, prefix: str,
+                hoisted: tuple[float, frozenset[int]] | None = None) -> None:
+        """Every op of ``g`` (the program, or a scan body living in the time step ``within``).
+
+        ``hoisted``: a body's (the scan's own scale, its loop invariants): an op of the body that reads only
+        those (``loop_invariant_ops``) is computed once, before the loop (XLA's loop-invariant code motion), so
+        its costs count at the scan's scale, not at each iteration's.
+        """
         g_last, g_read = g.last_use(), read_until(g)
         g_outputs = {x for x in g.outputs if not isinstance(x, Lit)}
+        once = loop_invariant_ops(g, hoisted[1]) if hoisted is not None else frozenset()
         for op in g.ops:
             if within is None:  # the program: op k runs at time k + 1, results live to their last reader
                 late = first_reader(g, op)
@@ -1027,7 +1098,7 @@ class ProblemBuilder:
             if op.primitive == "scan" and self.options.expand_scans and expandable(op):
                 self.add_scan(g, op, scope, scale, step, end, name)
             else:
-                self.add_op(g, op, scope, scale, interval, name)
+                self.add_op(g, op, scope, hoisted[0] if op.id in once else scale, interval, name)
 
     def planned_graphs(self, g: Graph) -> Iterator[Graph]:
         """``g`` and the bodies of the scans in it that ``add_ops`` plans op by op."""
@@ -1181,7 +1252,8 @@ class ProblemBuilder:
         within = (step, step + 1)
         self.add_scan_operands(g, op, scope, scale, step, end, name, sn)
         self.add_body_consts(inner, scale, name, within, sn)
-        self.add_ops(body, inner, scale * length, within, f"{name}/")
+        self.add_ops(body, inner, scale * length, within, f"{name}/",
+                     hoisted=(scale, frozenset(body.inputs[:scan_counts(op)[0]]) | frozenset(body.consts)))
         self.add_scan_outputs(g, op, scope, scale * length, step, end, name, sn)
 
     def add_scan_operands(self, g: Graph, op: Op, scope: Scope, scale: float, step: int, end: int, name: str,

@@ -24,7 +24,7 @@ from jax.extend import core as jcore
 
 from shardsolve.cost import wire_itemsize
 from shardsolve.sharding import Sharding
-from shardsolve.trace import Traced, carries_predicate, inline_closed, leaf_names, user_line
+from shardsolve.trace import Traced, carries_predicate, cond_tag, inline_closed, leaf_names, user_line
 
 
 @dataclass(frozen=True, slots=True)
@@ -311,6 +311,84 @@ class Graph:
             if not isinstance(x, Lit):
                 out[x] = end
         return out
+
+
+# -- conditionals --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class CondGroup:
+    """A ``cond`` of the program that ``trace._selected`` ran as every branch and a select of the taken one's
+    results, and that runs as a conditional again: each branch's ops, and the ``select_n`` ops that pick its
+    results (operand ``k + 1`` of each is branch ``k``'s; operand 0, the index, is made outside the branches).
+    """
+
+    branches: tuple[tuple[int, ...], ...]  # op ids of each branch, in program order (a branch may have none;
+    #                                        an op of a branch that reads only literals runs before the conditional)
+    selects: tuple[int, ...]  # op ids of the selects, in program order
+
+    @property
+    def ops(self) -> frozenset[int]:
+        return frozenset(self.selects).union(*self.branches)
+
+
+def cond_groups(g: Graph) -> tuple[CondGroup, ...]:
+    """The conds of ``g`` that run as conditionals (``CondGroup``), in program order.
+
+    A cond qualifies where its branches stayed apart through tracing: a value a
+    branch makes is read only by that branch's ops and, as its case, by the
+    selects; the selects share one index made outside the branches; no branch
+    holds a loop planned with its body (a ``scan``) or makes a program output.
+    Any other stays every branch computed and selected (the trace's form, which
+    runs as written).
+    """
+    known = g.memo.get(cond_groups)
+    if known is not None:
+        return known
+    members: dict[int, dict[int, list[int]]] = {}  # cond number -> branch (-1: selects) -> op ids
+    for op in g.ops:
+        tag = cond_tag(op.source)
+        # An op that reads only literals (zeros a branch starts from, which tracing may share between branches)
+        # runs before the conditional, as any op outside it.
+        if tag is not None and (tag[1] < 0 or any(not isinstance(x, Lit) for x in op.inputs)):
+            members.setdefault(tag[0], {}).setdefault(tag[1], []).append(op.id)
+    groups = []
+    for parts in members.values():
+        selects = parts.get(-1, [])
+        if not selects or any(g.ops[k].primitive != "select_n" for k in selects):
+            continue
+        n = len(g.ops[selects[0]].inputs) - 1
+        if any(len(g.ops[k].inputs) != n + 1 for k in selects) or any(b >= n for b in parts if b >= 0):
+            continue
+        group = CondGroup(tuple(tuple(parts.get(b, ())) for b in range(n)), tuple(selects))
+        if _runs_apart(g, group):
+            groups.append(group)
+    found = g.memo[cond_groups] = tuple(groups)
+    return found
+
+
+def _runs_apart(g: Graph, group: CondGroup) -> bool:
+    """Whether ``group``'s branches can run as a conditional's (see ``cond_groups``)."""
+    branch_of = {k: b for b, ops in enumerate(group.branches) for k in ops}
+    selects = set(group.selects)
+    index = g.ops[group.selects[0]].inputs[0]
+    if isinstance(index, Lit) or g.values[index].producer in branch_of or \
+            any(g.ops[k].inputs[0] != index for k in group.selects):
+        return False
+    for k, b in branch_of.items():
+        op = g.ops[k]
+        if op.primitive == "scan" or any(v in g.output_ids for v in op.outputs):
+            return False
+        for v in op.outputs:
+            for reader, pos in g.consumers.get(v, ()):
+                if branch_of.get(reader) != b and not (reader in selects and pos == b + 1):
+                    return False
+    for k in group.selects:  # a case made in another branch (by the trace's merging of equal ops) cannot be read
+        for b, x in enumerate(g.ops[k].inputs[1:]):
+            if not isinstance(x, Lit) and g.values[x].kind == "result" and \
+                    branch_of.get(g.values[x].producer, b) != b:
+                return False
+    return True
 
 
 # -- scans -----------------------------------------------------------------------------------

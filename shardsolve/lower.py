@@ -73,13 +73,14 @@ from jax.sharding import NamedSharding
 
 from shardsolve.cost import ReshardStep, reshard_steps, wire_itemsize
 from shardsolve.errors import ShardsolveError
-from shardsolve.graph import Graph, Lit, Op, OpView, ScanBoundary
+from shardsolve.graph import CondGroup, Graph, Lit, Op, OpView, ScanBoundary, cond_groups
 from shardsolve.mesh import MeshSpec
 from shardsolve.rules import fallback_rule, rule_for
 from shardsolve.rules.base import strategies_of
 from shardsolve.rules.local import fill_padding, identity, run_local
 from shardsolve.schedule import (
     ARGUMENT,
+    CASES,
     LOOP_INVARIANTS,
     OPERANDS,
     OUTPUT,
@@ -413,33 +414,75 @@ class _Rewriter:
 
     def _lower_ops(self, scope: Scope, graph: Graph, lowered: Sequence[LoweredOp], table: Layouts) -> None:
         """Run ``lowered`` (ops of ``graph``, in program order), each after its operands' demands; their
-        results land in ``table``."""
-        mesh = self.mesh
-        tag = "ss" if not scope else "b"
+        results land in ``table``. A conditional's ops (``graph.cond_groups``) run at its first select, as a
+        ``lax.switch`` (``_cond``)."""
+        by_id = {lo.op.id: lo for lo in lowered}
+        groups = [group for group in cond_groups(graph) if group.ops <= by_id.keys()]
+        at_select = {group.selects[0]: group for group in groups}
+        inside = {k for group in groups for k in group.ops}
         for lo in lowered:
-            op = lo.op
-            where = f"{tag}{op.id}"
-            self._execute(self.schedule.at(Site(scope, OPERANDS, op.id)), table, {}, where)
-            targets = lo.plan.operands if lo.strategy is None else lo.strategy.operands
-            operands = []
-            for x, t in zip(op.inputs, targets):
-                if isinstance(x, Lit):
-                    operands.append(jnp.asarray(x.value) if lo.strategy is None else x.value)
-                else:
-                    operands.append(table[(x, t)].local)
-            if lo.strategy is None:  # a scan planned with its body
-                hoisted = self._loop_invariants(scope, graph, lo, table, where)
-                with jax.named_scope(where):
-                    results = self._scan(scope, graph, lo, operands, hoisted)
-                shardings = lo.plan.results
+            if lo.op.id in at_select:
+                self._cond(scope, graph, by_id, table, at_select[lo.op.id])
+            elif lo.op.id not in inside:
+                self._lower_op(scope, graph, lo, table)
+
+    def _lower_op(self, scope: Scope, graph: Graph, lo: LoweredOp, table: Layouts) -> None:
+        """Run one op after its operands' demands; its results land in ``table``."""
+        op = lo.op
+        where = f"{'ss' if not scope else 'b'}{op.id}"
+        self._execute(self.schedule.at(Site(scope, OPERANDS, op.id)), table, {}, where)
+        targets = lo.plan.operands if lo.strategy is None else lo.strategy.operands
+        operands = []
+        for x, t in zip(op.inputs, targets):
+            if isinstance(x, Lit):
+                operands.append(jnp.asarray(x.value) if lo.strategy is None else x.value)
             else:
-                in_place = op.primitive != "dynamic_update_slice" or not _read_elsewhere(graph, op.inputs[0])
-                with jax.named_scope(where):
-                    results = run_local(lo.view, lo.rule, lo.strategy, mesh, operands, jax.lax.axis_index,
-                                        in_place=in_place)
-                shardings = lo.strategy.results
-            for vid, local, s in zip(op.outputs, results, shardings):
-                self._define(table, graph, vid, local, s)
+                operands.append(table[(x, t)].local)
+        if lo.strategy is None:  # a scan planned with its body
+            hoisted = self._loop_invariants(scope, graph, lo, table, where)
+            with jax.named_scope(where):
+                results = self._scan(scope, graph, lo, operands, hoisted)
+            shardings = lo.plan.results
+        else:
+            in_place = op.primitive != "dynamic_update_slice" or not _read_elsewhere(graph, op.inputs[0])
+            with jax.named_scope(where):
+                results = run_local(lo.view, lo.rule, lo.strategy, self.mesh, operands, jax.lax.axis_index,
+                                    in_place=in_place)
+            shardings = lo.strategy.results
+        for vid, local, s in zip(op.outputs, results, shardings):
+            self._define(table, graph, vid, local, s)
+
+    def _cond(self, scope: Scope, graph: Graph, lowered: dict[int, LoweredOp], table: Layouts,
+              group: CondGroup) -> None:
+        """A conditional (``graph.CondGroup``) as ``lax.switch`` on its selects' index: each branch runs its ops
+        and its cases' demands (``CASES``) from the layouts made before it, and hands back its results in the
+        layouts the selects read them in, which are the selects' results."""
+        selects = [lowered[k] for k in group.selects]
+        for lo in selects:  # the index (the selects' operand 0)
+            self._execute(self.schedule.at(Site(scope, OPERANDS, lo.op.id)), table, {}, f"{'ss' if not scope else 'b'}{lo.op.id}")
+        index = table[(selects[0].op.inputs[0], selects[0].strategy.operands[0])].local
+
+        def branch(b: int) -> Callable[[], tuple]:
+            def run() -> tuple:
+                own = dict(table)  # a layout made in a branch stays in it
+                for k in group.branches[b]:
+                    self._lower_op(scope, graph, lowered[k], own)
+                outs = []
+                for lo in selects:
+                    x, target = lo.op.inputs[b + 1], lo.strategy.operands[b + 1]
+                    self._execute(self.schedule.at(Site(scope, CASES, lo.op.id, b)), own, {},
+                                  f"{'ss' if not scope else 'b'}{lo.op.id}")
+                    shape = target.local_shape(graph.values[lo.op.outputs[0]].shape, self.mesh)
+                    dtype = graph.values[lo.op.outputs[0]].dtype
+                    local = own[(x, target)].local if not isinstance(x, Lit) else jnp.asarray(x.value)
+                    outs.append(jnp.broadcast_to(jnp.asarray(local, dtype), shape))
+                return tuple(outs)
+            return run
+
+        with jax.named_scope(f"{'ss' if not scope else 'b'}{group.selects[0]}"):
+            results = jax.lax.switch(jnp.asarray(index).astype(jnp.int32), [branch(b) for b in range(len(group.branches))])
+        for lo, local in zip(selects, results):
+            self._define(table, graph, lo.op.outputs[0], local, lo.strategy.results[0])
 
     def _loop_invariants(self, scope: Scope, graph: Graph, lo: LoweredOp, table: Layouts,
                          where: str) -> dict[tuple[int, Sharding], Any]:

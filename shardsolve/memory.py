@@ -87,7 +87,7 @@ import numpy as np
 from shardsolve.build import FUSED_CONSUMERS, FUSED_PRODUCERS, Built, fused, memory_traffic, runs_in, updated_in_place
 from shardsolve.graph import Graph, Lit, ScanBoundary
 from shardsolve.mesh import MeshSpec
-from shardsolve.schedule import LOOP_INVARIANTS, OPERANDS, Schedule
+from shardsolve.schedule import CASES, LOOP_INVARIANTS, OPERANDS, Schedule
 from shardsolve.sharding import Sharding
 from shardsolve.workspace import scratch_bytes, workspace_ratio
 
@@ -144,7 +144,7 @@ def memory_profile(graph: Graph, built: Built, assignment: Sequence[int], schedu
     runs = runs_in(graph)  # a read by a fused op is done where that op's work is
     read_bytes: dict[int, float] = {}  # value -> the largest layout it is read in (``_fills``)
     for d in schedule.demands:
-        if d.site.kind not in (OPERANDS, LOOP_INVARIANTS) or d.site.scope != () or d.scope != ():
+        if d.site.kind not in (OPERANDS, LOOP_INVARIANTS, CASES) or d.site.scope != () or d.scope != ():
             continue
         step = runs[d.site.index] + 1
         v = graph.values[d.value]

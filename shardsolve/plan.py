@@ -129,7 +129,9 @@ def combined_latencies(schedule: Schedule, pairs: list) -> set[int]:
     for d, step in pairs:
         mergeable = step.kind in COMBINED_KINDS and d.scope == d.site.scope and d.site.kind != ARGUMENT
         wire = wire_type(schedule.graph_of(d.scope).values[d.value].dtype) if mergeable else None
-        keys.append((d.site.scope, step.axes, step.src.reduce_op, wire) if mergeable else None)
+        # A conditional's branch is a computation of its own: its collectives merge among themselves.
+        keys.append((d.site.scope, schedule.branch_of(d.site), step.axes, step.src.reduce_op, wire)
+                    if mergeable else None)
         if mergeable:
             read.setdefault(d.site.scope, []).append(d.value)
     below = {scope: (vs, schedule.graph_of(scope).reaching(vs)) for scope, vs in read.items()}

@@ -33,7 +33,7 @@ from shardsolve.encodings.polish import polish_usage
 from shardsolve.encodings.tying import cancel_ahead, certify, solve_tied
 from shardsolve.errors import InfeasibleError, Interrupted, ShardsolveError
 from shardsolve.flax import logical_names
-from shardsolve.graph import Graph, Lit
+from shardsolve.graph import Graph, Lit, cond_groups
 from shardsolve.hlo import compiled_memory
 from shardsolve.logical import LogicalAxes
 from shardsolve.memory import peak_memory
@@ -110,7 +110,7 @@ def _executed(graph: Graph, built: Built, a: Sequence[int], mesh: MeshSpec) -> _
     # Every node's cost is compute or memory time (ops, a scan's stacked outputs), but for the latency of
     # merged collectives (build.share_merged_latency); reshards are on the edges.
     compute = float(sum(node.costs[a[k]] for k, (node, info) in enumerate(zip(built.problem.nodes, built.nodes))
-                        if info.kind != "merged"))
+                        if info.kind != "merged")) - _untaken_branches(graph, built, a)
     schedule = build_schedule(graph, mesh, inputs, consts, outputs, ops)
     collectives = predicted_collectives(schedule, mesh)
     by_kind: Counter = Counter()
@@ -122,6 +122,21 @@ def _executed(graph: Graph, built: Built, a: Sequence[int], mesh: MeshSpec) -> _
     if memo is not None:
         memo[key] = (graph, built.nodes, found)
     return found
+
+
+def _untaken_branches(graph: Graph, built: Built, a: Sequence[int]) -> float:
+    """The cost of the work a conditional does not do: the problem charges every branch of it and the selects
+    of their results (as the trace has it), the program runs one branch, as dear as the dearest at most
+    (``graph.cond_groups``; XLA's cost analysis counts a conditional so)."""
+    saved = 0.0
+    scopes = [(graph, built.op_node)] + [(sn.body, sn.op_node) for sn in built.scans.values()]
+    for g, op_node in scopes:
+        for group in cond_groups(g):
+            def cost(ops) -> float:
+                return sum(float(built.problem.nodes[op_node[k]].costs[a[op_node[k]]]) for k in ops if k in op_node)
+            branches = [cost(ops) for ops in group.branches]
+            saved += sum(branches) - max(branches, default=0.0) + cost(group.selects)
+    return saved
 
 
 def to_plan(graph: Graph, built: Built, solution, mesh: MeshSpec, fun: Callable | None, source: str = "") -> Plan:

@@ -51,7 +51,7 @@ from typing import Any, Iterator, Sequence
 
 from shardsolve.cost import ReshardStep, collective_time, reshard_steps, reshard_time
 from shardsolve.errors import ShardsolveError
-from shardsolve.graph import Graph, Lit, Op, ScanBoundary, Value, scan_counts
+from shardsolve.graph import CondGroup, Graph, Lit, Op, ScanBoundary, Value, cond_groups, scan_counts
 from shardsolve.mesh import MeshSpec
 from shardsolve.sharding import Sharding
 
@@ -61,6 +61,7 @@ ARGUMENT = "argument"  # index: the argument's position
 OPERANDS = "operands"  # index: the op's id in its scope
 LOOP_INVARIANTS = "loop-invariants"  # index: the scan op's id; runs before its loop, in the scan's scope
 OUTPUT = "output"  # index: the output's position (a scan body's: carry, then y-slices)
+CASES = "cases"  # index: a conditional's select op; ``branch``: the branch whose result it reads, in that branch
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,8 +69,9 @@ class Site:
     """Where in the program a reshard runs: a scope and a moment in it (see the module docstring)."""
 
     scope: Scope
-    kind: str  # ARGUMENT, OPERANDS, LOOP_INVARIANTS or OUTPUT
+    kind: str  # ARGUMENT, OPERANDS, LOOP_INVARIANTS, OUTPUT or CASES
     index: int
+    branch: int = -1  # CASES: the branch of the conditional it runs in
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,6 +120,19 @@ class Schedule:
         if self.graph is None:
             raise ShardsolveError("this schedule was built without its program")
         return self.graph.nested(scope)
+
+    def branch_of(self, site: Site) -> tuple[int, int] | None:
+        """(the conditional's first select, the branch) of a site inside a conditional's branch
+        (``graph.cond_groups``: its ops' operands and its cases), None for one outside any."""
+        if site.kind == CASES:
+            return site.index, site.branch
+        if site.kind != OPERANDS or self.graph is None:
+            return None
+        for group in cond_groups(self.graph_of(site.scope)):
+            for b, ops in enumerate(group.branches):
+                if site.index in ops:
+                    return group.selects[0], b
+        return None
 
     def collective_steps(self) -> Iterator[tuple[Demand, ReshardStep]]:
         """Every (demand, step) that communicates, in program order: what a cost function prices."""
@@ -264,15 +279,24 @@ class _Builder:
         return source, steps
 
     def walk(self, at: _Scope, ops: Sequence[Any], out_targets: Sequence[Sharding], out_names: Sequence[str]) -> None:
-        """Demands of every op of ``at``'s graph, then of its outputs."""
+        """Demands of every op of ``at``'s graph, then of its outputs; a conditional's branches (``cond``) where
+        the rewriter runs them, at its first select."""
         g = at.graph
+        groups = cond_groups(g)
+        conds = {group.selects[0]: group for group in groups}
+        in_branch = {k for group in groups for branch in group.branches for k in branch}
         for op, op_plan in zip(g.ops, ops):
+            if op.id in conds:
+                self.cond(at, ops, conds[op.id])
+            if op.id in in_branch:
+                continue
             name = at.prefix + op.name()
             site = Site(at.scope, OPERANDS, op.id)
             if is_planned_scan(op, op_plan):
                 self.scan(at, op, op_plan, name)
                 continue
-            for k, x in enumerate(op.inputs):
+            cases = op.primitive == "select_n" and any(op.id in group.selects for group in conds.values())
+            for k, x in enumerate(op.inputs[:1] if cases else op.inputs):
                 if not isinstance(x, Lit):
                     self.reshard(at, site, g.values[x], x, at.current[x], op_plan.operands[k], name)
             for r, vid in enumerate(op.outputs):
@@ -281,6 +305,30 @@ class _Builder:
         for k, (x, target) in enumerate(zip(g.outputs, out_targets)):
             if not isinstance(x, Lit):
                 self.reshard(at, Site(at.scope, OUTPUT, k), g.values[x], x, at.current[x], target, out_names[k])
+
+    def cond(self, at: _Scope, ops: Sequence[Any], group: CondGroup) -> None:
+        """A conditional's branches (``graph.CondGroup``), each as it runs: its ops, then the selects' reads of
+        its results (``CASES``), from the layouts made before the conditional; a layout made in a branch is
+        that branch's alone (the rewriter's ``lax.switch`` makes it there), so the cache is restored after each.
+        The selects' index is read where they are (``walk``)."""
+        g = at.graph
+        seen, made = set(at.seen), {v: list(ls) for v, ls in at.made.items()}
+        for b, branch in enumerate(group.branches):
+            for k in branch:
+                op, op_plan = g.ops[k], ops[k]
+                name, site = at.prefix + op.name(), Site(at.scope, OPERANDS, k)
+                for j, x in enumerate(op.inputs):
+                    if not isinstance(x, Lit):
+                        self.reshard(at, site, g.values[x], x, at.current[x], op_plan.operands[j], name)
+                for r, vid in enumerate(op.outputs):
+                    at.current[vid] = op_plan.results[r]
+                    at.producer[vid] = name
+            for k in group.selects:
+                x = g.ops[k].inputs[b + 1]
+                if not isinstance(x, Lit):
+                    self.reshard(at, Site(at.scope, CASES, k, b), g.values[x], x, at.current[x],
+                                 ops[k].operands[b + 1], at.prefix + g.ops[k].name())
+            at.seen, at.made = set(seen), {v: list(ls) for v, ls in made.items()}
 
     def scan(self, at: _Scope, op: Op, op_plan: Any, name: str) -> None:
         """A scan planned with its body: its operands, its loop invariants, its body (``length`` runs), its results."""

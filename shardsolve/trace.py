@@ -6,8 +6,9 @@ by a small interpreter that steps into their bodies, and the interpreter is
 traced again with ``jax.make_jaxpr``. Control flow (``scan``, ``while``,
 ``cond``) stays as one structured equation each; a ``while`` loop carries its
 condition (``_predicate_carried``), so that its body and condition are one
-program, and a ``cond`` whose branches hold no loop and no effect runs as
-every branch and a select of the taken one's results (``_selected``).
+program, and a ``cond`` whose branches hold no loop and no effect is traced
+as every branch and a select of the taken one's results (``_selected``; the
+rewriter runs it as a conditional again where its branches stayed apart).
 
 PRNG keys (``jax.random.key``, and the keys ``jax.random.PRNGKey`` data is
 wrapped into inside ``jax.random`` calls) become their key data: the
@@ -31,6 +32,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
+import re
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
 
@@ -350,12 +353,14 @@ def _selected(eqn: Any, invals: Sequence[Any]) -> list[Any]:
 
     The planner then plans the branches' ops like any others (a ``cond`` kept
     whole replicates its operands: a branch's elementwise work on split
-    activations or parameters would gather them). The work is every branch's,
-    not the taken one's: branches that are cheap beside the program (an
-    optimizer's every-k-steps update, a choice of activation) cost little
-    more. An index out of range takes the last branch, as XLA's conditional
-    does. A platform-dependent ``cond`` (``lax.platform_dependent``:
-    ``jnp.diagonal``'s for Pallas kernels) is the branch this backend lowers.
+    activations or parameters would gather them). Each branch's ops are traced
+    under the name scope ``cond{n}:branch{k}`` and the selects under
+    ``cond{n}:select`` (``cond_tag``): where the branches stay apart
+    (``graph.cond_groups``), the rewriter runs them as a ``lax.switch`` again
+    and the plan prices the dearest branch alone. An index out of range takes
+    the last branch, as XLA's conditional does. A platform-dependent ``cond``
+    (``lax.platform_dependent``: ``jnp.diagonal``'s for Pallas kernels) is the
+    branch this backend lowers.
     """
     branches = eqn.params["branches"]
     index, operands = invals[0], invals[1:]
@@ -365,12 +370,31 @@ def _selected(eqn: Any, invals: Sequence[Any]) -> list[Any]:
         taken = next((k for k, names in enumerate(platforms) if names is not None and here & set(names)),
                      next(k for k, names in enumerate(platforms) if names is None))
         return eval_inlined(branches[taken].jaxpr, branches[taken].consts, *operands)
-    outs = [eval_inlined(b.jaxpr, b.consts, *operands) for b in branches]
     if len(branches) == 1:
-        return outs[0]
+        return eval_inlined(branches[0].jaxpr, branches[0].consts, *operands)
+    tag = next(_CONDS)
+    outs = []
+    for k, b in enumerate(branches):  # each branch's ops under a name the rewriter finds them by (``cond_tag``)
+        with jax.named_scope(f"cond{tag}:branch{k}"):
+            outs.append(eval_inlined(b.jaxpr, b.consts, *operands))
     last = len(branches) - 1
     index = jax.lax.select((index < 0) | (index > last), jax.lax.full_like(index, last), index)
-    return [jax.lax.select_n(index, *(o[k] for o in outs)) for k in range(len(outs[0]))]
+    with jax.named_scope(f"cond{tag}:select"):
+        return [jax.lax.select_n(index, *(o[k] for o in outs)) for k in range(len(outs[0]))]
+
+
+#: Numbers the ``cond`` equations ``_selected`` runs, for their name scopes.
+_CONDS = itertools.count()
+_COND_TAG = re.compile(r"cond(\d+):(branch(\d+)|select)")
+
+
+def cond_tag(source: str) -> tuple[int, int] | None:
+    """(the cond's number, its branch; -1 for the select of its results) of the outermost ``cond`` that
+    ``_selected`` ran an op in, from the op's name stack; None for an op in none."""
+    m = _COND_TAG.search(source)
+    if m is None:
+        return None
+    return int(m.group(1)), -1 if m.group(3) is None else int(m.group(3))
 
 
 def _touches_keys(eqn: Any) -> bool:

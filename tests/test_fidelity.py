@@ -138,6 +138,48 @@ def test_sorts_and_cumulative_ops_are_priced_as_compiled(shape):
     assert compiled.compute == pytest.approx(cmp.plan.cost.compute, rel=0.03)
 
 
+def _invariant_in_a_loop(p, x):
+    z = jax.lax.fori_loop(0, 50, lambda i, z: jnp.tanh(z @ p["w"] + x @ p["u"]), jnp.zeros_like(x))
+    return p, jnp.mean(z)
+
+
+@pytest.mark.parametrize("mesh", ["data=1,model=8", "data=2,model=4"])
+def test_loop_invariant_work_is_priced_once_as_xla_hoists_it(mesh):
+    """``x @ u`` reads only loop invariants: XLA computes it once, before the loop, and so does the plan's price
+    (it charged it 50 times: half the compiled program's compute)."""
+    args = ({"w": jax.ShapeDtypeStruct((64, 64), jnp.float32), "u": jax.ShapeDtypeStruct((64, 64), jnp.float32)},
+            jax.ShapeDtypeStruct((16, 64), jnp.float32))
+    cmp = compare(_invariant_in_a_loop, *args, mesh=mesh, in_shardings=(None, P("data")), carry=((0, 0),),
+                  columns=("shardsolve",))
+    (compiled,) = cmp.columns
+    assert compiled.compute == pytest.approx(cmp.plan.cost.compute, rel=0.05)
+
+
+def _switched(p, x):
+    index = jnp.clip(jnp.floor(jnp.mean(x) * 10 + 1).astype(jnp.int32), 0, 2)
+    y = jax.lax.switch(index, [lambda h: jnp.tanh(h @ p["w0"]), lambda h: jax.nn.relu(h @ p["w1"]),
+                               lambda h: jax.nn.gelu(h @ p["w2"])], x)
+    return p, y
+
+
+def test_a_cond_runs_one_branch_as_a_conditional():
+    """A ``lax.switch`` of three matmuls runs as XLA's conditional, one branch a step: the plan prices the
+    dearest branch (it priced all three and their select: three times propagation's FLOPs), and each branch
+    computes what the function does."""
+    p = {k: jax.ShapeDtypeStruct((256, 256), jnp.float32) for k in ("w0", "w1", "w2")}
+    x = jax.ShapeDtypeStruct((128, 256), jnp.float32)
+    cmp = compare(_switched, p, x, mesh="data=8,model=1", in_shardings=(None, P("data")), carry=((0, 0),),
+                  columns=("gspmd", "shardsolve"))
+    gspmd, ours = cmp.columns
+    assert "conditional(" in ours.hlo
+    assert ours.flops <= 1.01 * gspmd.flops
+    assert ours.compute == pytest.approx(cmp.plan.cost.compute, rel=0.05)
+    params = {k: _rand((256, 256), j) * 0.1 for j, k in enumerate(sorted(p))}
+    for shift in (-0.05, 0.0, 0.3):  # an index of 0.5, 1 and 4 before the floor and the clip: each branch once
+        report = shardsolve.verify(cmp.plan, params, _rand((128, 256), 7) * 0.1 + shift)
+        assert report.ok, report
+
+
 def test_collectives_in_a_loop_run_its_trip_count():
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]), ("data",))
     spec = shardsolve.mesh.MeshSpec.parse("data=8")

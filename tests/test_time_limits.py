@@ -154,10 +154,11 @@ def test_the_plan_without_the_limit_is_kept_where_it_fits_as_compiled(monkeypatc
     assert plan.cost == free.cost and plan.inputs == free.inputs
     assert plan.cost.peak_memory > limit >= dict(plan.stats)["compiled_peak_memory"]
     assert 8.0 * planner.FIRST_SOLVE_SHARE not in limits  # nothing solved under the limit
-    # Without the compiled check the model's count holds the limit: a slower plan.
+    # Without the compiled check the model's bound holds the limit: a slower plan, of less memory (the plan's
+    # own count may pass the limit by a layout the reshard cache keeps, which the bound leaves out).
     held = shardsolve.plan(_stack_step, *ARGS, mesh=MESH, in_shardings=(None, P("data")), tie=False,
                            time_limit=8.0, memory_limit=limit, memory_check="model")
-    assert held.cost.peak_memory <= limit and held.cost.total > free.cost.total
+    assert held.cost.peak_memory < free.cost.peak_memory and held.cost.total > free.cost.total
 
 
 def test_the_first_solve_under_a_limit_has_the_models_overestimate_as_room(monkeypatch):
