@@ -335,12 +335,15 @@ class CondGroup:
 def cond_groups(g: Graph) -> tuple[CondGroup, ...]:
     """The conds of ``g`` that run as conditionals (``CondGroup``), in program order.
 
-    A cond qualifies where its branches stayed apart through tracing: a value a
-    branch makes is read only by that branch's ops and, as its case, by the
-    selects; the selects share one index made outside the branches; no branch
-    holds a loop planned with its body (a ``scan``) or makes a program output.
-    Any other stays every branch computed and selected (the trace's form, which
-    runs as written).
+    A cond qualifies where two of its branches or more do work (with one, as in
+    skipping an update whose loss is not finite, a conditional saves nothing and
+    XLA copies the values the other branches pass through into its results,
+    where the select updates in place) and its branches stayed apart through
+    tracing: a value a branch makes is read only by that branch's ops and, as
+    its case, by the selects; the selects share one index made outside the
+    branches; no branch holds a loop planned with its body (a ``scan``) or makes
+    a program output. Any other stays every branch computed and selected (the
+    trace's form, which runs as written).
     """
     known = g.memo.get(cond_groups)
     if known is not None:
@@ -361,7 +364,7 @@ def cond_groups(g: Graph) -> tuple[CondGroup, ...]:
         if any(len(g.ops[k].inputs) != n + 1 for k in selects) or any(b >= n for b in parts if b >= 0):
             continue
         group = CondGroup(tuple(tuple(parts.get(b, ())) for b in range(n)), tuple(selects))
-        if _runs_apart(g, group):
+        if sum(1 for ops in group.branches if ops) >= 2 and _runs_apart(g, group):
             groups.append(group)
     found = g.memo[cond_groups] = tuple(groups)
     return found

@@ -458,8 +458,9 @@ class _Rewriter:
         and its cases' demands (``CASES``) from the layouts made before it, and hands back its results in the
         layouts the selects read them in, which are the selects' results."""
         selects = [lowered[k] for k in group.selects]
+        tag = "ss" if not scope else "b"
         for lo in selects:  # the index (the selects' operand 0)
-            self._execute(self.schedule.at(Site(scope, OPERANDS, lo.op.id)), table, {}, f"{'ss' if not scope else 'b'}{lo.op.id}")
+            self._execute(self.schedule.at(Site(scope, OPERANDS, lo.op.id)), table, {}, f"{tag}{lo.op.id}")
         index = table[(selects[0].op.inputs[0], selects[0].strategy.operands[0])].local
 
         def branch(b: int) -> Callable[[], tuple]:
@@ -470,8 +471,7 @@ class _Rewriter:
                 outs = []
                 for lo in selects:
                     x, target = lo.op.inputs[b + 1], lo.strategy.operands[b + 1]
-                    self._execute(self.schedule.at(Site(scope, CASES, lo.op.id, b)), own, {},
-                                  f"{'ss' if not scope else 'b'}{lo.op.id}")
+                    self._execute(self.schedule.at(Site(scope, CASES, lo.op.id, b)), own, {}, f"{tag}{lo.op.id}")
                     shape = target.local_shape(graph.values[lo.op.outputs[0]].shape, self.mesh)
                     dtype = graph.values[lo.op.outputs[0]].dtype
                     local = own[(x, target)].local if not isinstance(x, Lit) else jnp.asarray(x.value)
@@ -479,8 +479,9 @@ class _Rewriter:
                 return tuple(outs)
             return run
 
-        with jax.named_scope(f"{'ss' if not scope else 'b'}{group.selects[0]}"):
-            results = jax.lax.switch(jnp.asarray(index).astype(jnp.int32), [branch(b) for b in range(len(group.branches))])
+        with jax.named_scope(f"{tag}{group.selects[0]}"):
+            results = jax.lax.switch(jnp.asarray(index).astype(jnp.int32),
+                                     [branch(b) for b in range(len(group.branches))])
         for lo, local in zip(selects, results):
             self._define(table, graph, lo.op.outputs[0], local, lo.strategy.results[0])
 
