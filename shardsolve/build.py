@@ -290,14 +290,10 @@ def memory_traffic(g: Graph, op: Op) -> tuple[bool, ...]:
 
     A value is fused (never written, never loaded) when its producer is a
     fusable producer, every reader a fusable consumer (``cost.fusion_classes``)
-    and it is no output of ``g``, and either it has one reader, or its producer
-    is as cheap to repeat as a broadcast or an iota, or it is cheap elementwise
-    work (``_CHEAP``) that every reader, an elementwise op, computes again from
-    buffers that live on past the last of them anyway (``_outlived``: gelu's
-    halved input, read by the forward product and the backward pass). XLA writes
-    out any other value of several readers rather than compute it again.
-    Everything else (matmuls, gathers, arguments, outputs, a scan's boundary)
-    moves.
+    and it is no output of ``g``, and either it has one reader or its producer
+    is as cheap to repeat as a broadcast or an iota (XLA writes out a value of
+    several readers rather than compute it again). Everything else (matmuls,
+    gathers, arguments, outputs, a scan's boundary) moves.
     """
     known = g.memo.get(memory_traffic)
     if known is None:
@@ -409,44 +405,9 @@ def _fused(g: Graph, vid: int) -> bool:
     readers = g.consumers.get(vid, [])
     if producer not in FUSED_PRODUCERS or not readers or vid in g.output_ids:
         return False
-    if len(readers) > 1 and producer not in _REPEATABLE:  # computed again in each reader, or written out
-        return producer in _CHEAP and all(g.ops[k].primitive in _CHEAP_READERS for k, _ in readers) \
-            and _outlived(g, vid)
+    if len(readers) > 1 and producer not in _REPEATABLE:
+        return False
     return all(g.ops[k].primitive in FUSED_CONSUMERS for k, _ in readers)
-
-
-#: Elementwise ops XLA's fusion computes again in each fusion that reads them (not ``IsExpensive``: no division,
-#: no transcendental).
-_CHEAP = frozenset({"add", "add_any", "sub", "mul", "neg", "abs", "max", "min", "select_n", "convert_element_type",
-                    "and", "or", "not", "xor", "eq", "ne", "lt", "le", "gt", "ge", "sign", "floor", "ceil", "round",
-                    "square", "integer_pow", "copy", "copy_p", "reshape", "squeeze", "expand_dims"})
-
-
-#: Readers that compute a ``_CHEAP`` value of several readers again inside them: elementwise loop fusions (XLA's
-#: CPU backend reduces in fusions of its own, which read such a value written out).
-_CHEAP_READERS = FUSED_PRODUCERS
-
-
-def _outlived(g: Graph, vid: int) -> bool:
-    """Whether every buffer ``vid`` is computed from (its producer's operands, through those computed inside
-    their readers in turn) is an argument or a constant, or read again at or after the last reader of ``vid``:
-    computing ``vid`` inside each reader then keeps nothing alive longer than writing it out would, and XLA's
-    fusion does so (``_CHEAP`` ops of several readers, each reader a loop fusion)."""
-    last = g.memo.get(_outlived)
-    if last is None:
-        last = g.memo[_outlived] = g.last_use()
-    until = max(k for k, _ in g.consumers.get(vid, ()))
-    stack, seen = list(g.ops[g.values[vid].producer].inputs), set()
-    while stack:
-        x = stack.pop()
-        if isinstance(x, Lit) or x in seen or g.values[x].kind != "result":
-            continue
-        seen.add(x)
-        if fused(g, x):
-            stack.extend(g.ops[g.values[x].producer].inputs)
-        elif last.get(x, -1) < until:
-            return False
-    return True
 
 
 def stacked_ys_time(g: Graph, vid: int, stacked_bytes: np.ndarray, mesh: MeshSpec) -> np.ndarray:
