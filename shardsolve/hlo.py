@@ -681,27 +681,48 @@ def _traffic(ins: Instruction, shape_of: dict[str, str], comps: dict[str, list[s
 def loop_adjustment(text: str) -> tuple[float, float]:
     """(FLOPs, bytes accessed) that ``cost_analysis()`` leaves out by counting each while body once.
 
-    For every computation that runs more often than once per loop entry: its
-    ``dot`` FLOPs (fused ones included) and the bytes its instructions read and
-    write (``_traffic``: the instructions of loop bodies, fusions at their
-    boundary), times the runs ``cost_analysis()`` misses.
+    Both counts are taken over the call graph from the entry computation: a
+    computation's ``dot`` FLOPs (fused ones included, through the fusions it
+    calls) and the bytes its instructions read and write where it runs as code
+    of its own (``_traffic``: the instructions of loop bodies, fusions at their
+    boundary), a while loop's body and condition its trip count times, and a
+    conditional's costlier branch (as ``cost_analysis()`` counts one: the
+    most of each count over its branches); the difference from the same count
+    with every loop run once is what ``cost_analysis()`` misses.
     """
     comps, entry = computations(text)
     if not entry:
         return 0.0, 0.0
-    real, once = _runs(comps, entry), _runs(comps, entry, trip_counts=False)
     control = {entry} | {d for lines in comps.values() for d, how, _ in _calls(lines) if how in _CONTROL}
-    flops = nbytes = 0.0
-    for comp, lines in comps.items():
-        missing = real.get(comp, 1) - once.get(comp, 1)
-        if missing <= 0:
-            continue
+    memo: dict[tuple[str, bool], tuple[float, float]] = {}
+
+    def total(comp: str, trips: bool) -> tuple[float, float]:
+        known = memo.get((comp, trips))
+        if known is not None:
+            return known
+        lines = comps.get(comp, ())
         instrs = [i for i in map(parse_instruction, lines) if i is not None]
         shape_of = {i.name: i.shape for i in instrs}
-        flops += missing * sum(_dot_flops(i, shape_of) for i in instrs)
-        if comp in control:
-            nbytes += missing * sum(_traffic(i, shape_of, comps) for i in instrs)
-    return flops, nbytes
+        flops = sum(_dot_flops(i, shape_of) for i in instrs)
+        nbytes = sum(_traffic(i, shape_of, comps) for i in instrs) if comp in control else 0.0
+        for line in lines:
+            calls = [(d, how, n) for d, how, n in _calls([line]) if d in comps]
+            branches = [total(d, trips) for d, how, _ in calls if how in _BRANCHES]
+            if branches:  # a conditional runs one branch: the costlier one, count by count
+                flops += max(f for f, _ in branches)
+                nbytes += max(b for _, b in branches)
+            for d, how, n in calls:
+                if how not in _BRANCHES:
+                    f, b = total(d, trips)
+                    flops, nbytes = flops + f * (n if trips else 1), nbytes + b * (n if trips else 1)
+        memo[(comp, trips)] = (flops, nbytes)
+        return flops, nbytes
+
+    (f_all, b_all), (f_once, b_once) = total(entry, True), total(entry, False)
+    return f_all - f_once, b_all - b_once
+
+
+_BRANCHES = ("branch_computations", "true_computation", "false_computation")
 
 
 # -- memory ------------------------------------------------------------------------------

@@ -180,6 +180,28 @@ def test_a_cond_runs_one_branch_as_a_conditional():
         assert report.ok, report
 
 
+def _switched_in_a_loop(p, x):
+    def body(i, h):
+        return jax.lax.switch(i % 3, [lambda h: jnp.tanh(h @ p["w0"]), lambda h: jax.nn.relu(h @ p["w1"]),
+                                      lambda h: jnp.sin(h @ p["w2"])], h)
+    return p, jax.lax.fori_loop(0, 6, body, x)
+
+
+def test_a_conditional_in_a_loop_is_priced_at_its_dearest_branch_each_trip():
+    """The loop's body holds a conditional: the compiled program is priced with its costlier branch times the
+    trip count (``hlo.loop_adjustment``; each branch's runs were added, 2.7 times the plan's compute)."""
+    p = {k: jax.ShapeDtypeStruct((128, 128), jnp.float32) for k in ("w0", "w1", "w2")}
+    x = jax.ShapeDtypeStruct((64, 128), jnp.float32)
+    cmp = compare(_switched_in_a_loop, p, x, mesh=MESH, in_shardings=(None, P("data")), carry=((0, 0),),
+                  columns=("shardsolve",))
+    (ours,) = cmp.columns
+    assert "conditional(" in ours.hlo
+    assert ours.compute == pytest.approx(cmp.plan.cost.compute, rel=0.05)
+    params = {k: _rand((128, 128), j) * 0.1 for j, k in enumerate(sorted(p))}
+    report = shardsolve.verify(cmp.plan, params, _rand((64, 128), 5))
+    assert report.ok, report
+
+
 def _update_if_finite(p, x):
     loss, g = jax.value_and_grad(lambda p: jnp.mean(jnp.tanh(x @ p["w"]) ** 2))(p)
     return jax.lax.cond(jnp.isfinite(loss), lambda: jax.tree.map(lambda a, b: a - 0.1 * b, p, g), lambda: p), loss
