@@ -520,9 +520,26 @@ def circular_pipeline(size: str):
     return sgd(loss), (params, S((micro, batch, d), f32)), (None, P(None, "data"))
 
 
+def switched_heads(size: str):
+    """A shared trunk and one of three heads chosen per step by ``lax.switch`` on a traced index (a task id read
+    from the batch), trained by SGD: ``(params, (x, task)) -> (params, loss)``; the heads' matmuls run as XLA's
+    conditional, the one taken."""
+    batch, d, hidden = (2048, 2048, 8192) if size == "large" else (16, 32, 64)
+    params = {"trunk": S((d, hidden), f32), **{f"head{k}": S((hidden, d), f32) for k in range(3)}}
+
+    def loss(p, data):
+        x, task = data
+        h = jax.nn.relu(x @ p["trunk"])
+        heads = [lambda h, k=k: jnp.tanh(h @ p[f"head{k}"]) for k in range(3)]
+        return jnp.mean((lax.switch(jnp.clip(task[0], 0, 2), heads, h) - x) ** 2)
+
+    return sgd(loss), (params, (S((batch, d), f32), S((batch,), jnp.int32))), (None, BATCH)
+
+
 PROGRAMS: dict[str, Callable] = {"vit": vit, "gru": gru, "mixer": mixer, "twotower": twotower, "conv1d": conv1d,
                                  "remat_lm": remat_lm, "bf16_mlp": bf16_mlp, "adam_mlp": adam_mlp, "cnn2d": cnn2d,
                                  "moe_top2": moe_top2, "segment_bag": segment_bag, "gnn": gnn,
                                  "constrained_lm": constrained_lm, "mobilenet": mobilenet, "accum_steps": accum_steps,
                                  "decode_loop": decode_loop, "vae": vae, "block_attention": block_attention,
-                                 "hvp_step": hvp_step, "circular_pipeline": circular_pipeline}
+                                 "hvp_step": hvp_step, "circular_pipeline": circular_pipeline,
+                                 "switched_heads": switched_heads}
