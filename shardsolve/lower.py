@@ -420,10 +420,16 @@ class _Rewriter:
         groups = [group for group in cond_groups(graph) if group.ops <= by_id.keys()]
         at_select = {group.selects[0]: group for group in groups}
         inside = {k for group in groups for k in group.ops}
+        # A conditional split between a while loop's condition and its body (``_loop_parts``) runs its part as
+        # traced, every branch and the selects, each select's cases made first.
+        cases = {k: len(group.branches) for group in cond_groups(graph) for k in group.selects}
         for lo in lowered:
             if lo.op.id in at_select:
                 self._cond(scope, graph, by_id, table, at_select[lo.op.id])
             elif lo.op.id not in inside:
+                for b in range(cases.get(lo.op.id, 0)):
+                    self._execute(self.schedule.at(Site(scope, CASES, lo.op.id, b)), table, {},
+                                  f"{'ss' if not scope else 'b'}{lo.op.id}")
                 self._lower_op(scope, graph, lo, table)
 
     def _lower_op(self, scope: Scope, graph: Graph, lo: LoweredOp, table: Layouts) -> None:

@@ -202,6 +202,32 @@ def test_a_conditional_in_a_loop_is_priced_at_its_dearest_branch_each_trip():
     assert report.ok, report
 
 
+def _cond_feeding_a_loops_condition(p, x):
+    def body(c):
+        i, z, _ = c
+        z, err = jax.lax.cond(i % 2 == 0, lambda z: (jnp.tanh(z @ p["w0"]), jnp.max(jnp.abs(z @ p["w0"]))),
+                              lambda z: (jnp.sin(z @ p["w1"]), jnp.max(jnp.abs(z @ p["w1"]))), z)
+        return i + 1, z, err * 0.5
+
+    return p, jax.lax.while_loop(lambda c: (c[2] > 1e-3) & (c[0] < 20), body, (0, x, jnp.array(1.0)))[1]
+
+
+def test_a_cond_whose_result_the_loops_condition_reads_runs_as_planned():
+    """The while loop's condition reads one of the cond's results: the rewriter runs the condition's part
+    and the body's part of the loop apart, and each part's share of the cond runs as traced or as a
+    conditional; the plan verifies and runs the time it plans."""
+    p = {k: jax.ShapeDtypeStruct((64, 64), jnp.float32) for k in ("w0", "w1")}
+    x = jax.ShapeDtypeStruct((32, 64), jnp.float32)
+    cmp = compare(_cond_feeding_a_loops_condition, p, x, mesh=MESH, in_shardings=(None, P("data")),
+                  carry=((0, 0),), columns=("shardsolve",))
+    (ours,) = cmp.columns
+    assert ours.ok, ours.error
+    assert ours.total == pytest.approx(cmp.plan.cost.total, rel=0.1)
+    params = {k: _rand((64, 64), j) * 0.1 for j, k in enumerate(sorted(p))}
+    report = shardsolve.verify(cmp.plan, params, _rand((32, 64), 3))
+    assert report.ok, report
+
+
 def _update_if_finite(p, x):
     loss, g = jax.value_and_grad(lambda p: jnp.mean(jnp.tanh(x @ p["w"]) ** 2))(p)
     return jax.lax.cond(jnp.isfinite(loss), lambda: jax.tree.map(lambda a, b: a - 0.1 * b, p, g), lambda: p), loss
