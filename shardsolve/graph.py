@@ -324,7 +324,8 @@ class CondGroup:
     """
 
     branches: tuple[tuple[int, ...], ...]  # op ids of each branch, in program order (a branch may have none;
-    #                                        an op of a branch that reads only literals runs before the conditional)
+    #                                        an op of a branch that reads only literals, or that another branch
+    #                                        reads, runs before the conditional)
     selects: tuple[int, ...]  # op ids of the selects, in program order
 
     @property
@@ -338,9 +339,10 @@ def cond_groups(g: Graph) -> tuple[CondGroup, ...]:
     A cond qualifies where two of its branches or more do work (with one, as in
     skipping an update whose loss is not finite, a conditional saves nothing and
     XLA copies the values the other branches pass through into its results,
-    where the select updates in place) and its branches stayed apart through
-    tracing: a value a branch makes is read only by that branch's ops and, as
-    its case, by the selects; the selects share one index made outside the
+    where the select updates in place) and its branches stay apart: a value a
+    branch makes is read only by that branch's ops and, as its case, by the
+    selects (an op that tracing merged between branches runs before the
+    conditional, ``_shared_hoisted``); the selects share one index made outside the
     branches; no branch holds a loop planned with its body (a ``scan``) or makes
     a program output. Any other stays every branch computed and selected (the
     trace's form, which runs as written).
@@ -363,11 +365,33 @@ def cond_groups(g: Graph) -> tuple[CondGroup, ...]:
         n = len(g.ops[selects[0]].inputs) - 1
         if any(len(g.ops[k].inputs) != n + 1 for k in selects) or any(b >= n for b in parts if b >= 0):
             continue
-        group = CondGroup(tuple(tuple(parts.get(b, ())) for b in range(n)), tuple(selects))
+        group = _shared_hoisted(g, CondGroup(tuple(tuple(parts.get(b, ())) for b in range(n)), tuple(selects)))
         if sum(1 for ops in group.branches if ops) >= 2 and _runs_apart(g, group):
             groups.append(group)
     found = g.memo[cond_groups] = tuple(groups)
     return found
+
+
+def _shared_hoisted(g: Graph, group: CondGroup) -> CondGroup:
+    """``group`` less the branch ops another branch reads (tracing merged equal ops of two branches into one:
+    ``x @ w`` in both), with the branch ops they read in turn: they run before the conditional, for every
+    branch, as ops outside it do."""
+    branch_of = {k: b for b, ops in enumerate(group.branches) for k in ops}
+    selects = set(group.selects)
+    hoisted: set[int] = set()
+    stack = [k for k, b in branch_of.items()
+             if any(branch_of.get(reader, -1) not in (b, -1) or (reader in selects and pos != b + 1)
+                    for v in g.ops[k].outputs for reader, pos in g.consumers.get(v, ()))]
+    while stack:
+        k = stack.pop()
+        if k in hoisted:
+            continue
+        hoisted.add(k)
+        stack.extend(g.values[x].producer for x in g.ops[k].inputs
+                     if not isinstance(x, Lit) and g.values[x].kind == "result" and g.values[x].producer in branch_of)
+    if not hoisted:
+        return group
+    return CondGroup(tuple(tuple(k for k in ops if k not in hoisted) for ops in group.branches), group.selects)
 
 
 def _runs_apart(g: Graph, group: CondGroup) -> bool:
