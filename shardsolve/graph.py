@@ -373,14 +373,15 @@ def cond_groups(g: Graph) -> tuple[CondGroup, ...]:
 
 
 def _shared_hoisted(g: Graph, group: CondGroup) -> CondGroup:
-    """``group`` less the branch ops another branch reads (tracing merged equal ops of two branches into one:
-    ``x @ w`` in both), with the branch ops they read in turn: they run before the conditional, for every
-    branch, as ops outside it do."""
+    """``group`` less the branch ops read from outside their branch (tracing merged equal ops into one: ``x @ w``
+    in two branches, or in a branch and after the cond), with the branch ops they read in turn: they run before
+    the conditional, for every branch, as ops outside it do."""
     branch_of = {k: b for b, ops in enumerate(group.branches) for k in ops}
     selects = set(group.selects)
     hoisted: set[int] = set()
     stack = [k for k, b in branch_of.items()
-             if any(branch_of.get(reader, -1) not in (b, -1) or (reader in selects and pos != b + 1)
+             if any(v in g.output_ids for v in g.ops[k].outputs)
+             or any(branch_of.get(reader) != b and not (reader in selects and pos == b + 1)
                     for v in g.ops[k].outputs for reader, pos in g.consumers.get(v, ()))]
     while stack:
         k = stack.pop()
