@@ -339,13 +339,13 @@ def cond_groups(g: Graph) -> tuple[CondGroup, ...]:
     A cond qualifies where two of its branches or more do work (with one, as in
     skipping an update whose loss is not finite, a conditional saves nothing and
     XLA copies the values the other branches pass through into its results,
-    where the select updates in place) and its branches stay apart: a value a
-    branch makes is read only by that branch's ops and, as its case, by the
-    selects (an op that tracing merged between branches runs before the
-    conditional, ``_shared_hoisted``); the selects share one index made outside the
-    branches; no branch holds a loop planned with its body (a ``scan``) or makes
-    a program output. Any other stays every branch computed and selected (the
-    trace's form, which runs as written).
+    where the select updates in place), the selects share one index, and no
+    branch holds a loop planned with its body (a ``scan``). A branch op whose
+    value is read outside its branch (an op that tracing merged between
+    branches, or with one after the cond, or a program output) runs before the
+    conditional, with the branch ops it reads (``_shared_hoisted``). Any other
+    cond stays every branch computed and selected (the trace's form, which runs
+    as written).
     """
     known = g.memo.get(cond_groups)
     if known is not None:
@@ -396,27 +396,13 @@ def _shared_hoisted(g: Graph, group: CondGroup) -> CondGroup:
 
 
 def _runs_apart(g: Graph, group: CondGroup) -> bool:
-    """Whether ``group``'s branches can run as a conditional's (see ``cond_groups``)."""
-    branch_of = {k: b for b, ops in enumerate(group.branches) for k in ops}
-    selects = set(group.selects)
+    """Whether ``group``'s branches (as ``_shared_hoisted`` leaves them: a value a branch makes is read only by
+    that branch and, as its case, by the selects) can run as a conditional's: the selects share one index, and
+    no branch holds a loop planned with its body."""
     index = g.ops[group.selects[0]].inputs[0]
-    if isinstance(index, Lit) or g.values[index].producer in branch_of or \
-            any(g.ops[k].inputs[0] != index for k in group.selects):
+    if isinstance(index, Lit) or any(g.ops[k].inputs[0] != index for k in group.selects):
         return False
-    for k, b in branch_of.items():
-        op = g.ops[k]
-        if op.primitive == "scan" or any(v in g.output_ids for v in op.outputs):
-            return False
-        for v in op.outputs:
-            for reader, pos in g.consumers.get(v, ()):
-                if branch_of.get(reader) != b and not (reader in selects and pos == b + 1):
-                    return False
-    for k in group.selects:  # a case made in another branch (by the trace's merging of equal ops) cannot be read
-        for b, x in enumerate(g.ops[k].inputs[1:]):
-            if not isinstance(x, Lit) and g.values[x].kind == "result" and \
-                    branch_of.get(g.values[x].producer, b) != b:
-                return False
-    return True
+    return all(g.ops[k].primitive != "scan" for ops in group.branches for k in ops)
 
 
 # -- scans -----------------------------------------------------------------------------------

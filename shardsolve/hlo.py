@@ -695,18 +695,25 @@ def loop_adjustment(text: str) -> tuple[float, float]:
         return 0.0, 0.0
     control = {entry} | {d for lines in comps.values() for d, how, _ in _calls(lines) if how in _CONTROL}
     memo: dict[tuple[str, bool], tuple[float, float]] = {}
+    own: dict[str, tuple[float, float, list]] = {}  # computation -> (its FLOPs, its bytes, the calls of each line)
+
+    def own_counts(comp: str) -> tuple[float, float, list]:
+        if comp not in own:
+            lines = comps.get(comp, ())
+            instrs = [i for i in map(parse_instruction, lines) if i is not None]
+            shape_of = {i.name: i.shape for i in instrs}
+            own[comp] = (sum(_dot_flops(i, shape_of) for i in instrs),
+                         sum(_traffic(i, shape_of, comps) for i in instrs) if comp in control else 0.0,
+                         [calls for calls in ([(d, how, n) for d, how, n in _calls([line]) if d in comps]
+                                              for line in lines) if calls])
+        return own[comp]
 
     def total(comp: str, trips: bool) -> tuple[float, float]:
         known = memo.get((comp, trips))
         if known is not None:
             return known
-        lines = comps.get(comp, ())
-        instrs = [i for i in map(parse_instruction, lines) if i is not None]
-        shape_of = {i.name: i.shape for i in instrs}
-        flops = sum(_dot_flops(i, shape_of) for i in instrs)
-        nbytes = sum(_traffic(i, shape_of, comps) for i in instrs) if comp in control else 0.0
-        for line in lines:
-            calls = [(d, how, n) for d, how, n in _calls([line]) if d in comps]
+        flops, nbytes, line_calls = own_counts(comp)
+        for calls in line_calls:
             branches = [total(d, trips) for d, how, _ in calls if how in _BRANCHES]
             if branches:  # a conditional runs one branch: the costlier one, count by count
                 flops += max(f for f, _ in branches)

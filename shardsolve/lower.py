@@ -417,25 +417,25 @@ class _Rewriter:
         results land in ``table``. A conditional's ops (``graph.cond_groups``) run at its first select, as a
         ``lax.switch`` (``_cond``)."""
         by_id = {lo.op.id: lo for lo in lowered}
-        groups = [group for group in cond_groups(graph) if group.ops <= by_id.keys()]
-        at_select = {group.selects[0]: group for group in groups}
-        inside = {k for group in groups for k in group.ops}
+        every = cond_groups(graph)
+        whole = [group for group in every if group.ops <= by_id.keys()]
+        at_select = {group.selects[0]: group for group in whole}
+        inside = {k for group in whole for k in group.ops}
         # A conditional split between a while loop's condition and its body (``_loop_parts``) runs its part as
         # traced, every branch and the selects, each select's cases made first.
-        cases = {k: len(group.branches) for group in cond_groups(graph) for k in group.selects}
+        cases = {k: len(group.branches) for group in every for k in group.selects}
         for lo in lowered:
             if lo.op.id in at_select:
                 self._cond(scope, graph, by_id, table, at_select[lo.op.id])
             elif lo.op.id not in inside:
                 for b in range(cases.get(lo.op.id, 0)):
-                    self._execute(self.schedule.at(Site(scope, CASES, lo.op.id, b)), table, {},
-                                  f"{'ss' if not scope else 'b'}{lo.op.id}")
+                    self._execute(self.schedule.at(Site(scope, CASES, lo.op.id, b)), table, {}, _where(scope, lo.op.id))
                 self._lower_op(scope, graph, lo, table)
 
     def _lower_op(self, scope: Scope, graph: Graph, lo: LoweredOp, table: Layouts) -> None:
         """Run one op after its operands' demands; its results land in ``table``."""
         op = lo.op
-        where = f"{'ss' if not scope else 'b'}{op.id}"
+        where = _where(scope, op.id)
         self._execute(self.schedule.at(Site(scope, OPERANDS, op.id)), table, {}, where)
         targets = lo.plan.operands if lo.strategy is None else lo.strategy.operands
         operands = []
@@ -464,9 +464,8 @@ class _Rewriter:
         and its cases' demands (``CASES``) from the layouts made before it, and hands back its results in the
         layouts the selects read them in, which are the selects' results."""
         selects = [lowered[k] for k in group.selects]
-        tag = "ss" if not scope else "b"
         for lo in selects:  # the index (the selects' operand 0)
-            self._execute(self.schedule.at(Site(scope, OPERANDS, lo.op.id)), table, {}, f"{tag}{lo.op.id}")
+            self._execute(self.schedule.at(Site(scope, OPERANDS, lo.op.id)), table, {}, _where(scope, lo.op.id))
         index = table[(selects[0].op.inputs[0], selects[0].strategy.operands[0])].local
 
         def branch(b: int) -> Callable[[], tuple]:
@@ -477,7 +476,7 @@ class _Rewriter:
                 outs = []
                 for lo in selects:
                     x, target = lo.op.inputs[b + 1], lo.strategy.operands[b + 1]
-                    self._execute(self.schedule.at(Site(scope, CASES, lo.op.id, b)), own, {}, f"{tag}{lo.op.id}")
+                    self._execute(self.schedule.at(Site(scope, CASES, lo.op.id, b)), own, {}, _where(scope, lo.op.id))
                     shape = target.local_shape(graph.values[lo.op.outputs[0]].shape, self.mesh)
                     dtype = graph.values[lo.op.outputs[0]].dtype
                     local = own[(x, target)].local if not isinstance(x, Lit) else jnp.asarray(x.value)
@@ -485,7 +484,7 @@ class _Rewriter:
                 return tuple(outs)
             return run
 
-        with jax.named_scope(f"{tag}{group.selects[0]}"):
+        with jax.named_scope(_where(scope, group.selects[0])):
             results = jax.lax.switch(jnp.asarray(index).astype(jnp.int32),
                                      [branch(b) for b in range(len(group.branches))])
         for lo, local in zip(selects, results):
@@ -603,6 +602,12 @@ class _Rewriter:
 
         state = jax.lax.while_loop(condition, step, tuple(carry_l[:-1]))
         return list(state) + [jnp.zeros((), bool)]
+
+
+def _where(scope: Scope, k: int) -> str:
+    """The name scope of op ``k``'s work and its reshards (``attribution`` reads it back): ``ss{k}`` in the
+    program, ``b{k}`` in a scan body."""
+    return f"{'ss' if not scope else 'b'}{k}"
 
 
 def _loop_parts(schedule: Schedule, inner: Scope, body: Graph, lowered: Sequence[LoweredOp],

@@ -128,14 +128,16 @@ def _untaken_branches(graph: Graph, built: Built, a: Sequence[int]) -> float:
     """The cost of the work a conditional does not do: the problem charges every branch of it and the selects
     of their results (as the trace has it), the program runs one branch, as dear as the dearest at most
     (``graph.cond_groups``; XLA's cost analysis counts a conditional so)."""
+    nodes = built.problem.nodes
+
+    def cost(ops, op_node) -> float:
+        return sum(float(nodes[op_node[k]].costs[a[op_node[k]]]) for k in ops if k in op_node)
+
     saved = 0.0
-    scopes = [(graph, built.op_node)] + [(sn.body, sn.op_node) for sn in built.scans.values()]
-    for g, op_node in scopes:
+    for g, op_node in [(graph, built.op_node)] + [(sn.body, sn.op_node) for sn in built.scans.values()]:
         for group in cond_groups(g):
-            def cost(ops) -> float:
-                return sum(float(built.problem.nodes[op_node[k]].costs[a[op_node[k]]]) for k in ops if k in op_node)
-            branches = [cost(ops) for ops in group.branches]
-            saved += sum(branches) - max(branches, default=0.0) + cost(group.selects)
+            branches = [cost(ops, op_node) for ops in group.branches]
+            saved += sum(branches) - max(branches, default=0.0) + cost(group.selects, op_node)
     return saved
 
 

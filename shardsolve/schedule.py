@@ -285,26 +285,30 @@ class _Builder:
         groups = cond_groups(g)
         conds = {group.selects[0]: group for group in groups}
         in_branch = {k for group in groups for branch in group.branches for k in branch}
+        selects = {k for group in groups for k in group.selects}
         for op, op_plan in zip(g.ops, ops):
             if op.id in conds:
                 self.cond(at, ops, conds[op.id])
             if op.id in in_branch:
                 continue
-            name = at.prefix + op.name()
-            site = Site(at.scope, OPERANDS, op.id)
             if is_planned_scan(op, op_plan):
-                self.scan(at, op, op_plan, name)
+                self.scan(at, op, op_plan, at.prefix + op.name())
                 continue
-            cases = op.primitive == "select_n" and any(op.id in group.selects for group in conds.values())
-            for k, x in enumerate(op.inputs[:1] if cases else op.inputs):
-                if not isinstance(x, Lit):
-                    self.reshard(at, site, g.values[x], x, at.current[x], op_plan.operands[k], name)
-            for r, vid in enumerate(op.outputs):
-                at.current[vid] = op_plan.results[r]
-                at.producer[vid] = name
+            self.operation(at, op, op_plan, 1 if op.id in selects else len(op.inputs))  # (a select's cases: ``cond``)
         for k, (x, target) in enumerate(zip(g.outputs, out_targets)):
             if not isinstance(x, Lit):
                 self.reshard(at, Site(at.scope, OUTPUT, k), g.values[x], x, at.current[x], target, out_names[k])
+
+    def operation(self, at: _Scope, op: Op, op_plan: Any, reads: int) -> None:
+        """Demands of ``op``'s first ``reads`` operands (at its ``OPERANDS`` site), then its results as made."""
+        g, name = at.graph, at.prefix + op.name()
+        site = Site(at.scope, OPERANDS, op.id)
+        for k, x in enumerate(op.inputs[:reads]):
+            if not isinstance(x, Lit):
+                self.reshard(at, site, g.values[x], x, at.current[x], op_plan.operands[k], name)
+        for r, vid in enumerate(op.outputs):
+            at.current[vid] = op_plan.results[r]
+            at.producer[vid] = name
 
     def cond(self, at: _Scope, ops: Sequence[Any], group: CondGroup) -> None:
         """A conditional's branches (``graph.CondGroup``), each as it runs: its ops, then the selects' reads of
@@ -315,14 +319,7 @@ class _Builder:
         seen, made = set(at.seen), {v: list(ls) for v, ls in at.made.items()}
         for b, branch in enumerate(group.branches):
             for k in branch:
-                op, op_plan = g.ops[k], ops[k]
-                name, site = at.prefix + op.name(), Site(at.scope, OPERANDS, k)
-                for j, x in enumerate(op.inputs):
-                    if not isinstance(x, Lit):
-                        self.reshard(at, site, g.values[x], x, at.current[x], op_plan.operands[j], name)
-                for r, vid in enumerate(op.outputs):
-                    at.current[vid] = op_plan.results[r]
-                    at.producer[vid] = name
+                self.operation(at, g.ops[k], ops[k], len(g.ops[k].inputs))
             for k in group.selects:
                 x = g.ops[k].inputs[b + 1]
                 if not isinstance(x, Lit):
