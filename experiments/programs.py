@@ -32,6 +32,11 @@ annotation or anything the planner was tuned on:
 * ``block_attention``: attention over key/value blocks in a ``lax.fori_loop`` with an online softmax;
 * ``hvp_step``: a step scaled by a Hessian-vector product along the gradient (``jax.jvp`` of ``jax.grad``);
 * ``circular_pipeline``: pipeline stages under ``jax.vmap`` in a ``lax.scan``, the state rolled each step;
+* ``switched_heads``: a shared trunk and one of three heads chosen by ``lax.switch``;
+* ``sampled_decode``: sampling by ``jax.random.categorical`` in a ``lax.fori_loop``, the output layer tied
+  to the embedding (``h @ embed.T``, a loop invariant);
+* ``chunked_ce``: a cross-entropy whose log-sum-exp runs over vocabulary chunks in ``lax.map``, the target
+  logits gathered from the same embedding (its gradient sums a scatter and a matmul);
 * ``constrained_lm``: a language model with MaxText-style activation
   constraints inside (``with_sharding_constraint`` with bare ``PartitionSpec``s),
   which propagation and the planner both hold.
@@ -536,10 +541,49 @@ def switched_heads(size: str):
     return sgd(loss), (params, (S((batch, d), f32), S((batch,), jnp.int32))), (None, BATCH)
 
 
+def sampled_decode(size: str):
+    """Sampling with a tied output layer: each step of a ``lax.fori_loop`` embeds the last token, reads the
+    embedding transposed (``h @ embed.T``, a loop invariant) and draws the next token by
+    ``jax.random.categorical``; returns the tokens and their log-probabilities."""
+    batch, d, vocab, steps = (64, 1024, 32768, 32) if size == "large" else (8, 64, 256, 16)
+    params = {"embed": S((vocab, d), f32), "w": S((d, d), f32)}
+
+    def step(p, start):
+        def body(i, c):
+            toks, logp = c
+            h = jnp.tanh(p["embed"][toks[:, i - 1]] @ p["w"])
+            logits = h @ p["embed"].T
+            tok = jax.random.categorical(jax.random.fold_in(jax.random.key(0), i), logits).astype(jnp.int32)
+            logp = logp + jnp.take_along_axis(jax.nn.log_softmax(logits), tok[:, None], -1)[:, 0]
+            return lax.dynamic_update_slice(toks, tok[:, None], (0, i)), logp
+
+        toks = jnp.zeros((batch, steps), jnp.int32).at[:, 0].set(start)
+        return p, lax.fori_loop(1, steps, body, (toks, jnp.zeros((batch,), f32)))
+
+    return step, (params, S((batch,), jnp.int32)), (None, P("data"))
+
+
+def chunked_ce(size: str):
+    """A cross-entropy over a large vocabulary, its log-sum-exp taken chunk by chunk (``lax.map`` over the
+    embedding's rows) and the target logits gathered from the same embedding."""
+    batch, d, vocab, chunks = (512, 1024, 65536, 8) if size == "large" else (32, 64, 1024, 4)
+    params = {"w": S((d, d), f32), "embed": S((vocab, d), f32)}
+
+    def loss(p, b):
+        x, y = b
+        h = jnp.tanh(x @ p["w"])
+        lse = lax.map(lambda e: jax.nn.logsumexp(h @ e.T, -1), p["embed"].reshape(chunks, vocab // chunks, d))
+        target = jnp.sum(h * p["embed"][jnp.clip(y, 0, vocab - 1)], -1)
+        return jnp.mean(jax.nn.logsumexp(lse, 0) - target)
+
+    return sgd(loss), (params, (S((batch, d), f32), S((batch,), jnp.int32))), (None, BATCH)
+
+
 PROGRAMS: dict[str, Callable] = {"vit": vit, "gru": gru, "mixer": mixer, "twotower": twotower, "conv1d": conv1d,
                                  "remat_lm": remat_lm, "bf16_mlp": bf16_mlp, "adam_mlp": adam_mlp, "cnn2d": cnn2d,
                                  "moe_top2": moe_top2, "segment_bag": segment_bag, "gnn": gnn,
                                  "constrained_lm": constrained_lm, "mobilenet": mobilenet, "accum_steps": accum_steps,
                                  "decode_loop": decode_loop, "vae": vae, "block_attention": block_attention,
                                  "hvp_step": hvp_step, "circular_pipeline": circular_pipeline,
-                                 "switched_heads": switched_heads}
+                                 "switched_heads": switched_heads, "sampled_decode": sampled_decode,
+                                 "chunked_ce": chunked_ce}

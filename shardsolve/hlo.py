@@ -533,7 +533,8 @@ def _permute_axes(pairs: Sequence[Sequence[int]], mesh: MeshSpec) -> _Span:
 # -- computations and loops ------------------------------------------------------------
 
 _COMPUTATION = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*\(.*\)\s*->.*\{\s*$")
-_CALLEE = re.compile(r"\b(calls|body|condition|to_apply|branch_computations|true_computation|false_computation)"
+_CALLEE = re.compile(r"\b(calls|body|condition|to_apply|branch_computations|true_computation|false_computation|select"
+                     r"|scatter)"
                      r"=(?:\{([^}]*)\}|%?([\w.\-]+))")
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 # Computations that run as code of their own (not inlined into a fusion or applied per element).
@@ -681,18 +682,28 @@ def _traffic(ins: Instruction, shape_of: dict[str, str], comps: dict[str, list[s
 def loop_adjustment(text: str) -> tuple[float, float]:
     """(FLOPs, bytes accessed) that ``cost_analysis()`` leaves out by counting each while body once.
 
-    Both counts are taken over the call graph from the entry computation: a
-    computation's ``dot`` FLOPs (fused ones included, through the fusions it
-    calls) and the bytes its instructions read and write where it runs as code
-    of its own (``_traffic``: the instructions of loop bodies, fusions at their
-    boundary), a while loop's body and condition its trip count times, and a
-    conditional's costlier branch (as ``cost_analysis()`` counts one: the
-    most of each count over its branches); the difference from the same count
-    with every loop run once is what ``cost_analysis()`` misses.
+    Both counts are taken over the call graph from the entry computation, a
+    while loop's body and condition its trip count times, and a conditional's
+    costlier branch (as ``cost_analysis()`` counts one: the most of each count
+    over its branches); the difference from the same count with every loop run
+    once is what ``cost_analysis()`` misses. FLOPs are XLA's own count of each
+    loop body, condition and branch (``_xla_flops``: every instruction, the
+    elementwise ones and reductions too); where jaxlib cannot count a
+    computation, the ``dot`` FLOPs of the call graph stand in. Bytes are what
+    the instructions of each computation that runs as code of its own read and
+    write (``_traffic``: the instructions of loop bodies, fusions at their
+    boundary).
     """
     comps, entry = computations(text)
     if not entry:
         return 0.0, 0.0
+    dot_flops, nbytes = _loop_counts(comps, entry)
+    flops = _xla_loop_flops(text, comps, entry)
+    return (dot_flops if flops is None else flops), nbytes
+
+
+def _loop_counts(comps: dict[str, list[str]], entry: str) -> tuple[float, float]:
+    """``loop_adjustment``'s (dot FLOPs, bytes) from the HLO text alone."""
     control = {entry} | {d for lines in comps.values() for d, how, _ in _calls(lines) if how in _CONTROL}
     memo: dict[tuple[str, bool], tuple[float, float]] = {}
     own: dict[str, tuple[float, float, list]] = {}  # computation -> (its FLOPs, its bytes, the calls of each line)
@@ -704,8 +715,7 @@ def loop_adjustment(text: str) -> tuple[float, float]:
             shape_of = {i.name: i.shape for i in instrs}
             own[comp] = (sum(_dot_flops(i, shape_of) for i in instrs),
                          sum(_traffic(i, shape_of, comps) for i in instrs) if comp in control else 0.0,
-                         [calls for calls in ([(d, how, n) for d, how, n in _calls([line]) if d in comps]
-                                              for line in lines) if calls])
+                         _line_calls(comps, comp))
         return own[comp]
 
     def total(comp: str, trips: bool) -> tuple[float, float]:
@@ -727,6 +737,107 @@ def loop_adjustment(text: str) -> tuple[float, float]:
 
     (f_all, b_all), (f_once, b_once) = total(entry, True), total(entry, False)
     return f_all - f_once, b_all - b_once
+
+
+def _line_calls(comps: dict[str, list[str]], comp: str) -> list[list[tuple[str, str, int]]]:
+    """The computations each line of ``comp`` calls (lines that call none left out)."""
+    return [calls for calls in ([(d, how, n) for d, how, n in _calls([line]) if d in comps]
+                                for line in comps.get(comp, ())) if calls]
+
+
+def _xla_loop_flops(text: str, comps: dict[str, list[str]], entry: str) -> float | None:
+    """The FLOPs ``cost_analysis()`` misses, each loop body, condition and branch counted by XLA (``_xla_flops``);
+    None where jaxlib cannot count one of them."""
+    blocks = _computation_blocks(text)
+    counted: dict[str, float | None] = {}
+    missed: dict[str, float] = {}
+
+    def xla(comp: str) -> float:
+        if comp not in counted:
+            counted[comp] = _xla_flops(blocks, comps, comp)
+        found = counted[comp]
+        if found is None:
+            raise LookupError(comp)
+        return found
+
+    def misses(comp: str) -> float:
+        """What XLA's count of ``comp`` run once leaves out: its loops' further trips, and its conditionals'
+        branches' own misses (a conditional counts as its costlier branch)."""
+        if comp in missed:
+            return missed[comp]
+        out = 0.0
+        for calls in _line_calls(comps, comp):
+            branches = [d for d, how, _ in calls if how in _BRANCHES]
+            if branches:
+                out += max(xla(d) + misses(d) for d in branches) - max(xla(d) for d in branches)
+            for d, how, n in calls:
+                if how in ("body", "condition"):
+                    out += (n - 1) * xla(d) + n * misses(d)
+                elif how not in _BRANCHES:
+                    out += misses(d)
+        missed[comp] = out
+        return out
+
+    try:
+        return misses(entry)
+    except LookupError:
+        return None
+
+
+_METADATA = re.compile(r",\s*metadata=\{[^}]*\}")
+
+
+def _computation_blocks(text: str) -> dict[str, str]:
+    """Computation name -> its whole printed text (header, instructions, closing brace), ``ENTRY`` dropped."""
+    blocks: dict[str, list[str]] = {}
+    current = None
+    for line in text.splitlines():
+        m = _COMPUTATION.match(line)
+        if m:
+            current = m.group(2)
+            blocks[current] = [line[len(m.group(1)):] if m.group(1) else line]
+        elif current is not None:
+            blocks[current].append(line)
+            if line.startswith("}"):
+                current = None
+    return {name: "\n".join(lines) for name, lines in blocks.items()}
+
+
+def _xla_flops(blocks: dict[str, str], comps: dict[str, list[str]], comp: str) -> float | None:
+    """XLA's own FLOP count of one run of ``comp``: ``HloCostAnalysis`` over a module whose entry it is.
+
+    The module holds ``comp`` and every computation it calls (callees first, as
+    the HLO parser wants them); loops inside count once and a conditional as its
+    costlier branch, as ``cost_analysis()`` counts them. None where jaxlib does
+    not offer the parser or the analysis, or cannot read the module.
+    """
+    try:
+        import jax
+        from jax._src.lib import xla_client
+        from jaxlib import _hlo
+    except ImportError:  # pragma: no cover - jaxlib without these entry points
+        return None
+    order: list[str] = []
+    seen: set[str] = set()
+    stack = [(comp, iter([d for d, _, _ in _calls(comps.get(comp, ())) if d in blocks]))]
+    seen.add(comp)
+    while stack:  # callees before callers
+        name, todo = stack[-1]
+        nxt = next(todo, None)
+        if nxt is None:
+            order.append(name)
+            stack.pop()
+        elif nxt not in seen:
+            seen.add(nxt)
+            stack.append((nxt, iter([d for d, _, _ in _calls(comps.get(nxt, ())) if d in blocks])))
+    module = "HloModule counted\n\n" + "\n\n".join(
+        ("ENTRY " if name == comp else "") + _METADATA.sub("", blocks[name]) for name in order)
+    try:
+        parsed = _hlo.hlo_module_from_text(module)
+        counts = xla_client._xla.hlo_module_cost_analysis(jax.devices("cpu")[0].client, parsed)
+    except Exception:  # noqa: BLE001 - a module jaxlib cannot read: the caller counts dots instead
+        return None
+    return float(counts.get("flops", 0.0))
 
 
 _BRANCHES = ("branch_computations", "true_computation", "false_computation")

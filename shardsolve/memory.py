@@ -47,6 +47,10 @@ module counts the compiled program's buffers from it (``peak_memory``):
   scaled into the parameter update), hands its buffer to that op's result,
   one buffer a result (and a buffer handed on to an output is that output's
   allocation);
+* a ``scatter-add`` into zeros that only a sum of two arrays reads
+  (``A + scatter-add(0, i, u)``, an embedding's gradient from its gather
+  and its matmul) has no buffer: XLA scatters into ``A`` where the sum is
+  (``_scattered_into_sum``);
 * a reshape (or a broadcast adding only dimensions of one) of a buffer read
   in the layout it was made in, with as many local bytes, is a bitcast in
   XLA: a view of that buffer, no buffer of its own, and the buffer lives as
@@ -219,6 +223,8 @@ def memory_profile(graph: Graph, built: Built, assignment: Sequence[int], schedu
             nbytes = min(nbytes, read_bytes[vid])
         read_until = last_read.get(vid, start + 1)
         k = last_use.get(vid)
+        if k is not None and (vid, k) in aliased and _scattered_into_sum(graph, vid, k):
+            continue  # XLA scatters into the sum's other addend: no buffer of its own
         if vid in viewed_until:  # read through a view until then
             read_until = end = max(read_until, viewed_until[vid])
         elif (vid, k) in aliased and read_until == runs[k] + 2:
@@ -319,6 +325,26 @@ def _fills(g: Graph, k: int) -> bool:
     op = g.ops[k]
     return op.primitive in _FILLS and len(op.outputs) == 1 and all(
         isinstance(x, Lit) or not g.values[x].shape for x in op.inputs)
+
+
+def _scattered_into_sum(g: Graph, vid: int, k: int) -> bool:
+    """Whether ``vid`` is a ``scatter-add`` into zeros that only op ``k``, a sum of two arrays of its shape,
+    reads: XLA's simplifier rewrites ``A + scatter-add(0, i, u)`` as ``scatter-add(A, i, u)``, run in ``A``'s
+    buffer where the sum is (the gradient of an embedding that a gather and a matmul both read)."""
+    v = g.values[vid]
+    op, reader = g.ops[v.producer], g.ops[k]
+    if op.primitive != "scatter-add" or reader.primitive not in ("add", "add_any") or len(g.consumers.get(vid, ())) != 1:
+        return False
+    base = op.inputs[0]
+    if isinstance(base, Lit) or g.values[base].kind != "result":
+        return False
+    fill = g.ops[g.values[base].producer]
+    if not _fills(g, fill.id) or fill.primitive != "broadcast_in_dim" or not all(
+            isinstance(x, Lit) and x.value == 0 for x in fill.inputs):
+        return False
+    other = [x for x in reader.inputs if x != vid]
+    return len(other) == 1 and not isinstance(other[0], Lit) and g.values[other[0]].shape == v.shape \
+        and g.values[other[0]].dtype == v.dtype
 
 
 def _filled_as_read(built: Built, scope: tuple, k: int, assignment: Sequence[int], mesh: MeshSpec) -> float:

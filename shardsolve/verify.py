@@ -435,6 +435,9 @@ def _reference(plan, args: tuple) -> Any:
 def verify(plan, *args: Any, rtol: float | None = None, atol: float | None = None,
            pinned: bool = False) -> VerifyReport:
     """Numerics and collective inventories of ``plan`` for ``args`` (see the module docstring)."""
+    if not hasattr(plan, "require_bound"):
+        raise ShardsolveError(f"verify expects a Plan from shardsolve.plan (or compare(...).plan), got "
+                              f"{type(plan).__name__}: plan the function first")
     plan.require_bound()
     leaves = check_arguments(plan, args)
     abstract = any(_is_abstract(x) for x in leaves)

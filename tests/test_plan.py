@@ -226,6 +226,11 @@ def test_plan_is_deterministic_and_round_trips(tmp_path):
         shardsolve.load_plan(path, _mlp_step, params, jnp.ones((8, 32)))
 
 
+def test_verify_without_a_plan_says_so():
+    with pytest.raises(ShardsolveError, match="verify expects a Plan .* got NoneType"):
+        shardsolve.verify(None, jnp.ones((4, 4)))
+
+
 def test_load_plan_refuses_other_versions(tmp_path):
     path = tmp_path / "plan.json"
     path.write_text(json.dumps({"format": "shardsolve-plan", "version": 99, "shardsolve": "9.9"}))

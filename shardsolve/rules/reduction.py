@@ -20,6 +20,8 @@ from __future__ import annotations
 import math
 from typing import Callable
 
+import numpy as np
+
 from shardsolve.graph import OpView
 from shardsolve.rules._builder import RuleBuilder, numel
 from shardsolve.rules.base import Rule
@@ -56,6 +58,22 @@ def reduce_min_rule(op: OpView) -> Rule:
 
 def replicated_reduce_rule(op: OpView) -> Rule:
     return _reduce(op, combine=None, linear=False)
+
+
+#: FLOPs an element of ``argmax``/``argmin`` costs as ``cost_analysis()`` counts them: XLA reduces a value and
+#: its index together, and the comparator takes 9 operations on floats (the NaN checks included), 7 on integers.
+ARG_REDUCE_FLOPS = {"f": 9, "i": 7, "u": 7, "b": 7}
+
+
+def arg_reduce_rule(op: OpView) -> Rule:
+    """``argmax``/``argmin``: the reduced dimensions stay whole; priced by their comparator (``ARG_REDUCE_FLOPS``)."""
+    b = RuleBuilder()
+    shape = op.in_shapes[0]
+    axes = {a % max(len(shape), 1) for a in op.params["axes"]}
+    in_f = [b.new(n, replicate=d in axes) for d, n in enumerate(shape)]
+    out_f = [f for d, f in enumerate(in_f) if d not in axes]
+    kind = np.dtype(op.in_dtypes[0]).kind if op.in_dtypes else "f"
+    return b.build([in_f], [out_f], flops=numel(shape) * ARG_REDUCE_FLOPS.get(kind, 9))
 
 
 def general_reduce_rule(op: OpView) -> Rule:
@@ -132,8 +150,9 @@ RULES: dict[str, Callable[[OpView], Rule]] = {
     "reduce_or": reduce_max_rule,  # any: the maximum of booleans
     "reduce_and": reduce_min_rule,  # all: the minimum
 }
-for _name in ("reduce_prod", "reduce_xor", "argmax", "argmin"):
+for _name in ("reduce_prod", "reduce_xor"):
     RULES[_name] = replicated_reduce_rule
+RULES["argmax"] = RULES["argmin"] = arg_reduce_rule
 RULES["cumsum"] = cumsum_rule
 for _name in ("cumprod", "cummax", "cummin", "cumlogsumexp"):
     RULES[_name] = lambda op: scan_rule(op, linear=False)
