@@ -292,8 +292,10 @@ def memory_traffic(g: Graph, op: Op) -> tuple[bool, ...]:
     fusable producer, every reader a fusable consumer (``cost.fusion_classes``)
     and it is no output of ``g``, and either it has one reader or its producer
     is as cheap to repeat as a broadcast or an iota (XLA writes out a value of
-    several readers rather than compute it again). A transpose read only by
-    matmuls is fused too: XLA folds it into their dimension numbers. Everything else (matmuls,
+    several readers rather than compute it again). A matrix's transpose read
+    only by matmuls is fused too: XLA folds it into their dimension numbers (a
+    transpose of more dimensions feeding a batched matmul it writes out, as
+    XLA's CPU backend lays batch dimensions first). Everything else (matmuls,
     gathers, arguments, outputs, a scan's boundary) moves.
     """
     known = g.memo.get(memory_traffic)
@@ -406,8 +408,8 @@ def _fused(g: Graph, vid: int) -> bool:
     readers = g.consumers.get(vid, [])
     if producer not in FUSED_PRODUCERS or not readers or vid in g.output_ids:
         return False
-    if producer == "transpose" and all(g.ops[k].primitive == "dot_general" for k, _ in readers):
-        return True  # XLA folds a transpose into the dimension numbers of the matmuls that read it
+    if producer == "transpose" and len(v.shape) == 2 and all(g.ops[k].primitive == "dot_general" for k, _ in readers):
+        return True  # XLA folds a matrix's transpose into the matmuls that read it (a batched one it copies)
     if len(readers) > 1 and producer not in _REPEATABLE:
         return False
     return all(g.ops[k].primitive in FUSED_CONSUMERS for k, _ in readers)

@@ -93,7 +93,9 @@ def load_model(spec: str, size: str = "small") -> Model:
                     object.__setattr__(result, "name", candidate)
                 return result
             raise ShardsolveError(
-                f"{path_text}:{candidate}({size!r}) returned {type(result).__name__}, not a shardsolve.Model"
+                f"{path_text}:{candidate}({size!r}) returned {type(result).__name__}, not a shardsolve.Model; "
+                "return shardsolve.Model(fun=step, args=(...), in_shardings=(...)) (args may be "
+                "jax.ShapeDtypeStruct), or plan it from Python with shardsolve.plan(step, *args, mesh=...)"
             )
     available = sorted(
         k for k, v in vars(module).items() if not k.startswith("_") and (isinstance(v, Model) or _returns_model(v))

@@ -49,6 +49,8 @@ def test_hbm_bandwidth_prices_compute_as_a_roofline(capsys, tmp_path, models_dir
     [
         (["plan", "nope.py", "--mesh", "data=2"], "does not exist"),
         (["plan", "{models}/mlp.py:nothing", "--mesh", "data=2,model=4"], "has no model named 'nothing'"),
+        (["plan", "{models}/../experiments/programs.py:vit", "--mesh", "data=2,model=4"],
+         "returned tuple, not a shardsolve.Model; return shardsolve.Model(fun=step"),
         (["plan", "{models}/mlp.py", "--mesh", "data=2,,model"], "cannot parse mesh axis"),
         (["plan", "{models}/mlp.py", "--mesh", "data=2,model=4", "--memory-limit", "1KiB"], "no plan satisfies"),
         (["plan", "{models}/mlp.py", "--mesh", "batch=8"], "unknown mesh axis 'data'"),
