@@ -9,6 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax import lax
+from jax._src.lax import lax as lax_internal  # the total-order comparisons have no public name
 
 from shardsolve.graph import OpView
 from shardsolve.hlo import loop_adjustment
@@ -76,8 +77,9 @@ def test_size0_dims():
     lambda x: lax.clamp(0.2, x, 0.5), lambda x: x**3, lambda x: x**-2, lambda x: x**8,
     lambda x: lax.nextafter(x, lax.rev(x, (0,))), lambda x: jax.random.bits(jax.random.key(0), x.shape),
     lambda x: jnp.argmax(x.reshape(64, 64), 1), lambda x: jnp.argmin(x.reshape(64, 64).astype(jnp.int32), 0),
+    lambda x: lax_internal.le_to_p.bind(x, lax.rev(x, (0,))),
 ], ids=["add", "exp", "tanh", "logistic", "erf_inv", "lgamma", "sinh", "clamp", "pow3", "pow-2", "pow8",
-        "nextafter", "threefry", "argmax", "argmin-int"])
+        "nextafter", "threefry", "argmax", "argmin-int", "total-order"])
 def test_pointwise_flops_are_xla_cost_analysis_flops(fn):
     """A small program's FLOPs priced by the rules of its traced ops are those XLA counts for it compiled (a
     transcendental HLO op none, an expanded one its expansion's, every trip of a loop XLA makes of it:

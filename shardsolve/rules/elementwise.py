@@ -26,6 +26,8 @@ from __future__ import annotations
 
 from typing import Callable, Sequence
 
+import numpy as np
+
 from shardsolve.graph import OpView
 from shardsolve.rules._builder import RuleBuilder, numel
 from shardsolve.rules.base import Rule
@@ -187,6 +189,18 @@ def integer_pow_rule(op: OpView) -> Rule:
     return pointwise_rule(op, NONE, integer_pow_flops(op.params.get("y", 2)))
 
 
+#: FLOPs an element of a total-order comparison of floats (``eq_to``, ``le_to``, ``lt_to``: ``jnp.sort``'s and
+#: ``searchsorted``'s) costs as XLA counts it: the floats are mapped to integers that order alike first.
+#: Integers compare as they are (the table's one).
+TOTAL_ORDER_FLOPS = 9.0
+
+
+def total_order_rule(op: OpView) -> Rule:
+    linear, per = POINTWISE[op.primitive]
+    floats = bool(op.in_dtypes) and np.dtype(op.in_dtypes[0]).kind in "fc"
+    return pointwise_rule(op, linear, TOTAL_ORDER_FLOPS if floats else per)
+
+
 def _table_rule(name: str) -> Callable[[OpView], Rule]:
     linear, per = POINTWISE[name]
     return lambda op: pointwise_rule(op, linear, per)
@@ -214,6 +228,8 @@ def identity_rule(op: OpView) -> Rule:
 
 RULES: dict[str, Callable[[OpView], Rule]] = {name: _table_rule(name) for name in POINTWISE}
 RULES["integer_pow"] = integer_pow_rule
+for _name in ("eq_to", "le_to", "lt_to"):
+    RULES[_name] = total_order_rule
 RULES["select_n"] = select_n_rule
 RULES["convert_element_type"] = convert_element_type_rule
 for _name in ("device_put", "optimization_barrier", "sharding_constraint"):
