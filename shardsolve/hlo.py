@@ -39,7 +39,7 @@ import math
 import re
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Iterable, Iterator, Sequence
 
 import numpy as np
 
@@ -581,31 +581,35 @@ def computation_runs(text: str, *, trip_counts: bool = True) -> dict[str, int]:
     return _runs(*computations(text), trip_counts=trip_counts)
 
 
+def _callees_first(comps: dict[str, list[str]], root: str) -> list[str]:
+    """``root`` and every computation it calls, each after all those it calls (a post-order of the call graph,
+    which HLO keeps acyclic)."""
+    def callees(c: str) -> Iterator[str]:
+        return iter([d for d, _, _ in _calls(comps.get(c, ())) if d in comps])
+
+    order: list[str] = []
+    seen = {root}
+    stack = [(root, callees(root))]
+    while stack:
+        node, todo = stack[-1]
+        nxt = next(todo, None)
+        if nxt is None:
+            order.append(node)
+            stack.pop()
+        elif nxt not in seen:
+            seen.add(nxt)
+            stack.append((nxt, callees(nxt)))
+    return order
+
+
 def _runs(comps: dict[str, list[str]], entry: str, *, trip_counts: bool = True) -> dict[str, int]:
     """``computation_runs`` of already parsed ``computations``."""
     if not entry:
         return {c: 1 for c in comps}
     edges = {c: [(d, n) for d, _, n in _calls(lines) if d in comps] for c, lines in comps.items()}
-    order: list[str] = []
-    seen: set[str] = set()
-
-    def visit(c: str) -> None:  # callees after callers (reverse post-order); HLO call graphs are acyclic
-        stack = [(c, iter(edges[c]))]
-        seen.add(c)
-        while stack:
-            node, it = stack[-1]
-            nxt = next(it, None)
-            if nxt is None:
-                order.append(node)
-                stack.pop()
-            elif nxt[0] not in seen:
-                seen.add(nxt[0])
-                stack.append((nxt[0], iter(edges[nxt[0]])))
-
-    visit(entry)
     runs = {c: 0 for c in comps}
     runs[entry] = 1
-    for c in reversed(order):
+    for c in reversed(_callees_first(comps, entry)):  # callers before callees
         for d, n in edges[c]:
             runs[d] += runs[c] * (n if trip_counts else 1)
     return {c: max(1, r) for c, r in runs.items()}
@@ -748,12 +752,14 @@ def _line_calls(comps: dict[str, list[str]], comp: str) -> list[list[tuple[str, 
 def _xla_loop_flops(text: str, comps: dict[str, list[str]], entry: str) -> float | None:
     """The FLOPs ``cost_analysis()`` misses, each loop body, condition and branch counted by XLA (``_xla_flops``);
     None where jaxlib cannot count one of them."""
-    blocks = _computation_blocks(text)
+    blocks: dict[str, str] = {}  # read from the text at the first loop or branch (most programs have none)
     counted: dict[str, float | None] = {}
     missed: dict[str, float] = {}
 
     def xla(comp: str) -> float:
         if comp not in counted:
+            if not blocks:
+                blocks.update(_computation_blocks(text))
             counted[comp] = _xla_flops(blocks, comps, comp)
         found = counted[comp]
         if found is None:
@@ -817,21 +823,8 @@ def _xla_flops(blocks: dict[str, str], comps: dict[str, list[str]], comp: str) -
         from jaxlib import _hlo
     except ImportError:  # pragma: no cover - jaxlib without these entry points
         return None
-    order: list[str] = []
-    seen: set[str] = set()
-    stack = [(comp, iter([d for d, _, _ in _calls(comps.get(comp, ())) if d in blocks]))]
-    seen.add(comp)
-    while stack:  # callees before callers
-        name, todo = stack[-1]
-        nxt = next(todo, None)
-        if nxt is None:
-            order.append(name)
-            stack.pop()
-        elif nxt not in seen:
-            seen.add(nxt)
-            stack.append((nxt, iter([d for d, _, _ in _calls(comps.get(nxt, ())) if d in blocks])))
     module = "HloModule counted\n\n" + "\n\n".join(
-        ("ENTRY " if name == comp else "") + _METADATA.sub("", blocks[name]) for name in order)
+        ("ENTRY " if name == comp else "") + _METADATA.sub("", blocks[name]) for name in _callees_first(comps, comp))
     try:
         parsed = _hlo.hlo_module_from_text(module)
         counts = xla_client._xla.hlo_module_cost_analysis(jax.devices("cpu")[0].client, parsed)

@@ -27,8 +27,9 @@ from shardsolve.rules._builder import RuleBuilder, numel
 from shardsolve.rules.base import Rule
 
 
-def _reduce(op: OpView, *, combine: str | None, linear: bool) -> Rule:
-    """``combine`` is the partial-result operation (sum/max/min) or None: replicate reduced dims."""
+def _reduce(op: OpView, *, combine: str | None, linear: bool, per_element: float = 1.0) -> Rule:
+    """``combine`` is the partial-result operation (sum/max/min) or None: replicate reduced dims. ``per_element``:
+    FLOPs an element of the operand costs."""
     b = RuleBuilder()
     shape = op.in_shapes[0]
     axes = {a % max(len(shape), 1) for a in op.params["axes"]}
@@ -39,7 +40,7 @@ def _reduce(op: OpView, *, combine: str | None, linear: bool) -> Rule:
         [out_f] * len(op.out_shapes),
         reduce_op=combine or "sum",
         linear=((0,),) if linear else (),
-        flops=numel(shape),
+        flops=numel(shape) * per_element,
     )
 
 
@@ -67,13 +68,8 @@ ARG_REDUCE_FLOPS = {"f": 9, "i": 7, "u": 7, "b": 7}
 
 def arg_reduce_rule(op: OpView) -> Rule:
     """``argmax``/``argmin``: the reduced dimensions stay whole; priced by their comparator (``ARG_REDUCE_FLOPS``)."""
-    b = RuleBuilder()
-    shape = op.in_shapes[0]
-    axes = {a % max(len(shape), 1) for a in op.params["axes"]}
-    in_f = [b.new(n, replicate=d in axes) for d, n in enumerate(shape)]
-    out_f = [f for d, f in enumerate(in_f) if d not in axes]
     kind = np.dtype(op.in_dtypes[0]).kind if op.in_dtypes else "f"
-    return b.build([in_f], [out_f], flops=numel(shape) * ARG_REDUCE_FLOPS.get(kind, 9))
+    return _reduce(op, combine=None, linear=False, per_element=ARG_REDUCE_FLOPS.get(kind, 9))
 
 
 def general_reduce_rule(op: OpView) -> Rule:
