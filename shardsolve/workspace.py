@@ -16,15 +16,20 @@ divided by its operands' bytes is the ratio (cached per primitive, shapes and
 parameters). A strategy's scratch is that ratio times the bytes of its local
 operands (``scratch_bytes``): scratch grows with the shard, as the buffers
 it is made of do. A matmul whose operands are not in the order the backend's
-kernel reads them is measured too (its transposed copies: about its
-operands' bytes where the batch dimensions are not leading). Primitives
-known to need none (elementwise, layout, reductions, gathers, sorts) are not
-compiled; neither is one that carries a sub-program (a scan, a loop), whose
-body the planner sees op by op. Where the compile fails the ratio is 0.
+kernel reads them needs scratch too (its transposed copies: about its
+operands' bytes where the batch dimensions are not leading); for float32
+matmuls on the CPU backend that is worked out without a compile
+(``matmul_copies``, checked against the compiles), the rest are measured.
+Primitives known to need none (elementwise, layout, reductions, gathers,
+sorts) are not compiled; neither is one that carries a sub-program (a scan, a
+loop), whose body the planner sees op by op. Where the compile fails the ratio
+is 0.
 """
 
 from __future__ import annotations
 
+import functools
+import math
 import os
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Iterable, Sequence
@@ -51,9 +56,67 @@ def workspace_ratio(graph: Graph, op: Op) -> float:
     if found is None:
         return 0.0
     key, avals = found
+    known = matmul_copies(op.primitive, avals, op.params)
+    if known is not None:
+        return known
     if key is None:  # parameters without a stable text: measured per op, uncached
         return _measure(op, avals)
     return _cached(key, op, avals)
+
+
+#: The smallest dimension ``matmul_copies`` answers for (smaller ones the backend may handle otherwise: a
+#: contraction over a few elements as products and a sum, a dimension of one dropped).
+MIN_KNOWN_DIM = 8
+
+
+def matmul_copies(primitive: str, avals: Sequence[tuple | None], params: dict) -> float | None:
+    """The scratch ratio ``workspace_ratio`` would measure for a float32 matmul on XLA's CPU backend, worked
+    out without compiling; None where this does not answer (measure it).
+
+    XLA brings each operand of a ``dot_general`` to the order its kernel reads: the batch dimensions first,
+    then, for the left operand, its free dimensions and then the contracted ones (the right operand the
+    contracted ones, then its free ones); an operand with one free and one contracted dimension is read in
+    either order. An operand in any other order is copied into that one first: the scratch is the bytes of
+    the operands copied. Answered where that is all the backend does (checked against its compiles of
+    random matmuls, ``tests/test_memory.py``): both operands float32, every dimension at least
+    ``MIN_KNOWN_DIM``, some contracted dimension and a free one on each side, and the batch and contracted
+    dimensions of each operand in increasing order.
+    """
+    if primitive != "dot_general" or len(avals) != 2 or any(a is None or a[1] != "float32" for a in avals):
+        return None
+    preferred = params.get("preferred_element_type")
+    if preferred is not None and np.dtype(preferred) != np.float32:
+        return None
+    (ls, _), (rs, _) = avals
+    if min((*ls, *rs), default=0) < MIN_KNOWN_DIM:
+        return None
+    (lc, rc), (lb, rb) = params["dimension_numbers"]
+    lfree = [d for d in range(len(ls)) if d not in lc and d not in lb]
+    rfree = [d for d in range(len(rs)) if d not in rc and d not in rb]
+    if not lc or not lfree or not rfree or any(list(d) != sorted(d) for d in (lc, rc, lb, rb)):
+        return None
+    if _backend() != "cpu":
+        return None
+
+    def copied(rank: int, batch: Sequence[int], free: list[int], contracted: Sequence[int], left: bool) -> bool:
+        order = list(range(rank))
+        if order[:len(batch)] != list(batch):
+            return True
+        if len(free) == 1 and len(contracted) == 1:
+            return False
+        return order[len(batch):] != ([*free, *contracted] if left else [*contracted, *free])
+
+    lbytes, rbytes = 4.0 * math.prod(ls), 4.0 * math.prod(rs)
+    copies = lbytes * copied(len(ls), lb, lfree, lc, True) + rbytes * copied(len(rs), rb, rfree, rc, False)
+    ratio = copies / (lbytes + rbytes)
+    return ratio if ratio > 0.01 else 0.0  # (as ``_measure`` rounds)
+
+
+@functools.lru_cache(maxsize=1)
+def _backend() -> str:
+    import jax
+
+    return jax.default_backend()
 
 
 def prefetch(graphs: Iterable[Graph]) -> None:
@@ -66,6 +129,8 @@ def prefetch(graphs: Iterable[Graph]) -> None:
             if found is None or found[0] is None:
                 continue
             key, avals = found
+            if matmul_copies(op.primitive, avals, op.params) is not None:
+                continue
             if key not in _RATIOS and key not in _PENDING:
                 _PENDING[key] = _pool().submit(_measure, op, avals)
 

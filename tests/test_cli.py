@@ -117,3 +117,16 @@ def test_a_typed_key_argument_is_shown_as_the_key(capsys, tmp_path):
     code, stdout, _ = _run(capsys, "explain", str(out), "--show", "args[1]")
     assert code == 0, stdout
     assert "key<threefry2x32>[16]" in stdout and "uint32" not in stdout, stdout
+
+
+def test_summary_line_says_what_speaks_for_the_plan():
+    """A summary names the certified gap, or, where propagation's plan was kept (priced faster than the
+    solver's), that no bound speaks for it rather than a 100% gap from a bound of zero."""
+    from types import SimpleNamespace
+
+    from shardsolve.cli.common import solver_status
+
+    assert solver_status(SimpleNamespace(status="optimal", gap=0.0, stats=())) == "optimal"
+    assert solver_status(SimpleNamespace(status="feasible", gap=0.125, stats=())) == "feasible, gap 12.50%"
+    kept = solver_status(SimpleNamespace(status="feasible", gap=1.0, stats=(("propagation_kept", True),)))
+    assert "propagation's plan" in kept and "100" not in kept

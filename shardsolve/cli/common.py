@@ -52,6 +52,17 @@ def ms(seconds: float) -> str:
     return "-" if not math.isfinite(seconds) else f"{seconds * 1e3:.4f}"
 
 
+def solver_status(plan: Any) -> str:
+    """A plan's solver status for a summary line: ``optimal``, the status with its certified gap, or, where the
+    plan is propagation's (faster than the solver's as plans are priced, ``plan.stats``' ``propagation_kept``),
+    that no bound speaks for it."""
+    if plan.status == "optimal":
+        return "optimal"
+    if dict(plan.stats).get("propagation_kept"):
+        return f"{plan.status}: propagation's plan, faster than the solver's as plans are priced (no certified gap)"
+    return f"{plan.status}, gap {plan.gap:.2%}"
+
+
 # -- model files ----------------------------------------------------------------------
 
 

@@ -28,6 +28,7 @@ from shardsolve.cli.common import (
     keep_interrupted,
     mesh_of,
     ms,
+    solver_status,
     source_of,
     write_json,
 )
@@ -141,7 +142,7 @@ def print_comparison(cmp: Comparison, console: Console, title: str = "comparison
             console.print(f"[red]{c.label} failed:[/red] {c.error}")
     if cmp.plan is not None:
         p = cmp.plan
-        status = p.status if p.status == "optimal" else f"{p.status}, gap {p.gap:.2%}"
+        status = solver_status(p)
         console.print(
             f"shardsolve's own estimate: {ms(p.cost.total)} ms (compute {ms(p.cost.compute)} + communication "
             f"{ms(p.cost.communication)}), peak {format_bytes(p.cost.peak_memory)}; solver {status} in "

@@ -13,7 +13,7 @@ from rich.console import Console
 from rich.table import Table
 
 from shardsolve.cli.common import (add_model_arguments, annotations_of, check_output, console, keep_interrupted, mesh_of,
-                                    source_of)
+                                    solver_status, source_of)
 from shardsolve.errors import Interrupted
 from shardsolve.mesh import MeshSpec
 from shardsolve.model import load_model
@@ -91,7 +91,7 @@ def print_plan(plan: Plan, console: Console, top: int = 10) -> None:
     summary.add_column()
     summary.add_row("mesh", str(plan.mesh))
     summary.add_row("operations", f"{len(plan.ops)} ({plan.fallback_count} fell back to replication)")
-    status = plan.status if plan.status == "optimal" else f"{plan.status}, gap {plan.gap:.2%}"
+    status = solver_status(plan)
     summary.add_row("solver", f"{status} in {plan.solve_time:.2f} s")
     stats = dict(plan.stats)
     if "tying" in stats:
