@@ -37,6 +37,10 @@ annotation or anything the planner was tuned on:
   to the embedding (``h @ embed.T``, a loop invariant);
 * ``chunked_ce``: a cross-entropy whose log-sum-exp runs over vocabulary chunks in ``lax.map``, the target
   logits gathered from the same embedding (its gradient sums a scatter and a matmul);
+* ``linear_attention``: causal linear attention, running sums of outer products by ``jnp.cumsum``;
+* ``ragged_moe``: experts as grouped matmuls over tokens sorted by expert (``lax.ragged_dot``);
+* ``fft_conv``: a sequence-long convolution through ``jnp.fft.rfft``/``irfft``;
+* ``gp_marginal``: a Gaussian process's marginal likelihood through a Cholesky factor and a solve;
 * ``constrained_lm``: a language model with MaxText-style activation
   constraints inside (``with_sharding_constraint`` with bare ``PartitionSpec``s),
   which propagation and the planner both hold.
@@ -579,6 +583,75 @@ def chunked_ce(size: str):
     return sgd(loss), (params, (S((batch, d), f32), S((batch,), jnp.int32))), (None, BATCH)
 
 
+def linear_attention(size: str):
+    """Causal linear attention: running sums (``jnp.cumsum``) of the keys' outer products with the values,
+    read by each query (an ``einsum`` over the summed state)."""
+    batch, seq, d = (16, 256, 128) if size == "large" else (8, 32, 16)
+    params = {k: S((d, d), f32) for k in ("wq", "wk", "wv")}
+
+    def loss(p, b):
+        x, y = b
+        q, k = jax.nn.elu(x @ p["wq"]) + 1, jax.nn.elu(x @ p["wk"]) + 1
+        v = x @ p["wv"]
+        state = jnp.cumsum(k[..., :, None] * v[..., None, :], axis=1)
+        norm = jnp.einsum("btd,btd->bt", q, jnp.cumsum(k, axis=1))[..., None]
+        return jnp.mean((jnp.einsum("btd,btde->bte", q, state) / norm - y) ** 2)
+
+    return sgd(loss), (params, (S((batch, seq, d), f32), S((batch, seq, d), f32))), (None, BATCH)
+
+
+def ragged_moe(size: str):
+    """Tokens sorted by their expert and run through grouped matmuls (``lax.ragged_dot``), one group of rows
+    per expert, then put back in order and weighted by the router."""
+    tokens, d, experts = (4096, 512, 8) if size == "large" else (128, 32, 4)
+    params = {"router": S((d, experts), f32), "w1": S((experts, d, 2 * d), f32), "w2": S((experts, 2 * d, d), f32)}
+
+    def loss(p, b):
+        x, y = b
+        logits = x @ p["router"]
+        expert = jnp.argmax(logits, -1)
+        order = jnp.argsort(expert)
+        sizes = jnp.bincount(expert, length=experts).astype(jnp.int32)
+        h = jax.nn.gelu(lax.ragged_dot(x[order], p["w1"], sizes))
+        out = jnp.zeros_like(x).at[order].set(lax.ragged_dot(h, p["w2"], sizes))
+        return jnp.mean((out * jax.nn.softmax(logits).max(-1, keepdims=True) - y) ** 2)
+
+    return sgd(loss), (params, (S((tokens, d), f32), S((tokens, d), f32))), (None, BATCH)
+
+
+def fft_conv(size: str):
+    """A long convolution (Hyena-style): each channel filtered along the sequence through ``jnp.fft.rfft`` and
+    ``irfft`` with a learned filter as long as the sequence, between two dense projections."""
+    batch, seq, d = (16, 2048, 256) if size == "large" else (8, 64, 16)
+    params = {"w_in": S((d, d), f32), "filter": S((seq, d), f32), "w_out": S((d, d), f32)}
+
+    def loss(p, b):
+        x, y = b
+        u = x @ p["w_in"]
+        spectrum = jnp.fft.rfft(u, n=2 * seq, axis=1) * jnp.fft.rfft(p["filter"], n=2 * seq, axis=0)[None]
+        h = jnp.fft.irfft(spectrum, n=2 * seq, axis=1)[:, :seq]
+        return jnp.mean((jax.nn.gelu(h) @ p["w_out"] - y) ** 2)
+
+    return sgd(loss), (params, (S((batch, seq, d), f32), S((batch, seq, d), f32))), (None, BATCH)
+
+
+def gp_marginal(size: str):
+    """A Gaussian process's negative log marginal likelihood under a learned feature map: a kernel matrix over
+    the batch, its Cholesky factor (``jnp.linalg.cholesky``) and a solve against the targets."""
+    batch, d = (1024, 256) if size == "large" else (64, 16)
+    params = {"w": S((d, d), f32), "log_noise": S((), f32)}
+
+    def loss(p, b):
+        x, y = b
+        z = jnp.tanh(x @ p["w"])
+        kernel = z @ z.T / d + (jnp.exp(p["log_noise"]) + 1e-3) * jnp.eye(batch)
+        factor = jnp.linalg.cholesky(kernel)
+        alpha = jax.scipy.linalg.cho_solve((factor, True), y)
+        return 0.5 * jnp.sum(y * alpha) + jnp.sum(jnp.log(jnp.diag(factor)))
+
+    return sgd(loss), (params, (S((batch, d), f32), S((batch,), f32))), (None, BATCH)
+
+
 PROGRAMS: dict[str, Callable] = {"vit": vit, "gru": gru, "mixer": mixer, "twotower": twotower, "conv1d": conv1d,
                                  "remat_lm": remat_lm, "bf16_mlp": bf16_mlp, "adam_mlp": adam_mlp, "cnn2d": cnn2d,
                                  "moe_top2": moe_top2, "segment_bag": segment_bag, "gnn": gnn,
@@ -586,4 +659,5 @@ PROGRAMS: dict[str, Callable] = {"vit": vit, "gru": gru, "mixer": mixer, "twotow
                                  "decode_loop": decode_loop, "vae": vae, "block_attention": block_attention,
                                  "hvp_step": hvp_step, "circular_pipeline": circular_pipeline,
                                  "switched_heads": switched_heads, "sampled_decode": sampled_decode,
-                                 "chunked_ce": chunked_ce}
+                                 "chunked_ce": chunked_ce, "linear_attention": linear_attention,
+                                 "ragged_moe": ragged_moe, "fft_conv": fft_conv, "gp_marginal": gp_marginal}
