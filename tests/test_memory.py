@@ -136,7 +136,9 @@ def test_scratch_is_measured_where_the_backend_needs_it():
     assert ratios["tanh"] == 0.0
 
 
-def _weight_gradient(x, g):  # contracts the leading dimensions: the backend transposes both operands first
+def _weight_gradient(x, g):
+    # contracts the leading dimensions: the backend first copies the left operand (in bfloat16 both, as float32)
+    # into the order its kernel reads
     return lax.dot_general(x, g, (((0, 1), (0, 1)), ((), ())))
 
 
