@@ -64,9 +64,11 @@ def workspace_ratio(graph: Graph, op: Op) -> float:
     return _cached(key, op, avals)
 
 
-#: The smallest dimension ``matmul_copies`` answers for (smaller ones the backend may handle otherwise: a
-#: contraction over a few elements as products and a sum, a dimension of one dropped).
+#: The smallest contracted dimension ``matmul_copies`` answers for, and the smallest other one unless both
+#: operands hold ``MIN_KNOWN_BYTES`` (the backend contracts a few elements as products and a sum, drops a
+#: dimension of one, and pads small operands by a few bytes).
 MIN_KNOWN_DIM = 8
+MIN_KNOWN_BYTES = 1 << 16
 
 
 def matmul_copies(primitive: str, avals: Sequence[tuple | None], params: dict) -> float | None:
@@ -78,9 +80,10 @@ def matmul_copies(primitive: str, avals: Sequence[tuple | None], params: dict) -
     contracted ones, then its free ones); an operand with one free and one contracted dimension is read in
     either order. An operand in any other order is copied into that one first: the scratch is the bytes of
     the operands copied. Answered where that is all the backend does (checked against its compiles of
-    random matmuls, ``tests/test_memory.py``): both operands float32, every dimension at least
-    ``MIN_KNOWN_DIM``, some contracted dimension and a free one on each side, and the batch and contracted
-    dimensions of each operand in increasing order.
+    random matmuls, ``tests/test_memory.py``): both operands float32, every contracted dimension at least
+    ``MIN_KNOWN_DIM`` and every other at least 2 (at least ``MIN_KNOWN_DIM`` too where an operand is smaller
+    than ``MIN_KNOWN_BYTES``), some contracted dimension and a free one on each side, and the batch and
+    contracted dimensions of each operand in increasing order.
     """
     if primitive != "dot_general" or len(avals) != 2 or any(a is None or a[1] != "float32" for a in avals):
         return None
@@ -88,9 +91,12 @@ def matmul_copies(primitive: str, avals: Sequence[tuple | None], params: dict) -
     if preferred is not None and np.dtype(preferred) != np.float32:
         return None
     (ls, _), (rs, _) = avals
-    if min((*ls, *rs), default=0) < MIN_KNOWN_DIM:
-        return None
     (lc, rc), (lb, rb) = params["dimension_numbers"]
+    lbytes, rbytes = 4.0 * math.prod(ls), 4.0 * math.prod(rs)
+    if min((ls[d] for d in lc), default=0) < MIN_KNOWN_DIM or min((*ls, *rs), default=0) < 2:
+        return None
+    if min((*ls, *rs)) < MIN_KNOWN_DIM and min(lbytes, rbytes) < MIN_KNOWN_BYTES:
+        return None
     lfree = [d for d in range(len(ls)) if d not in lc and d not in lb]
     rfree = [d for d in range(len(rs)) if d not in rc and d not in rb]
     if not lc or not lfree or not rfree or any(list(d) != sorted(d) for d in (lc, rc, lb, rb)):
@@ -106,7 +112,6 @@ def matmul_copies(primitive: str, avals: Sequence[tuple | None], params: dict) -
             return False
         return order[len(batch):] != ([*free, *contracted] if left else [*contracted, *free])
 
-    lbytes, rbytes = 4.0 * math.prod(ls), 4.0 * math.prod(rs)
     copies = lbytes * copied(len(ls), lb, lfree, lc, True) + rbytes * copied(len(rs), rb, rfree, rc, False)
     ratio = copies / (lbytes + rbytes)
     return ratio if ratio > 0.01 else 0.0  # (as ``_measure`` rounds)

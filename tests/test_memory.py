@@ -154,16 +154,19 @@ def test_scratch_measured_in_the_background_is_the_compiled_scratch():
     assert workspace_ratio(graph, dot) == pytest.approx(temp / (2 * 24 * 40 * (56 + 72)))
 
 
-def _random_matmuls(count: int, seed: int = 0):
+def _random_matmuls(count: int, seed: int, sizes=(8, 12, 16, 24, 64, 96), contracted=None, least_bytes=0):
     """Shapes and dimension numbers of float32 matmuls with their batch, contracted and free dimensions placed
-    at random in each operand (each kind's dimensions in increasing order), sizes from 8 to 96."""
+    at random in each operand (each kind's dimensions in increasing order): ``count`` of them whose operands
+    both hold at least ``least_bytes``, sizes from ``sizes`` (the contracted ones from ``contracted``)."""
     rng = np.random.default_rng(seed)
-    for _ in range(count):
-        sizes = {k: [int(rng.choice([8, 12, 16, 24, 64, 96])) for _ in range(int(rng.integers(low, 3)))]
-                 for k, low in (("b", 0), ("c", 1), ("l", 1), ("r", 1))}
+    found = 0
+    while found < count:
+        sizes_of = {k: [int(rng.choice(contracted if k == "c" and contracted else sizes))
+                        for _ in range(int(rng.integers(low, 3)))]
+                    for k, low in (("b", 0), ("c", 1), ("l", 1), ("r", 1))}
         places = []  # per operand: (its shape, the position of each (kind, index) dimension)
         for free in ("l", "r"):
-            kinds = [(k, i) for k in ("b", "c", free) for i in range(len(sizes[k]))]
+            kinds = [(k, i) for k in ("b", "c", free) for i in range(len(sizes_of[k]))]
             slots = [int(p) for p in rng.permutation(len(kinds))]
             at = {}
             for k in ("b", "c", free):
@@ -171,10 +174,13 @@ def _random_matmuls(count: int, seed: int = 0):
                 at.update({(k, i): d for i, d in enumerate(mine)})
             shape = [0] * len(kinds)
             for (k, i), d in at.items():
-                shape[d] = sizes[k][i]
+                shape[d] = sizes_of[k][i]
             places.append((tuple(shape), at))
         (ls, la), (rs, ra) = places
-        nb, nc = len(sizes["b"]), len(sizes["c"])
+        if 4 * min(np.prod(ls), np.prod(rs)) < least_bytes:
+            continue
+        found += 1
+        nb, nc = len(sizes_of["b"]), len(sizes_of["c"])
         yield ls, rs, ((tuple(la[("c", i)] for i in range(nc)), tuple(ra[("c", i)] for i in range(nc))),
                        (tuple(la[("b", i)] for i in range(nb)), tuple(ra[("b", i)] for i in range(nb))))
 
@@ -189,7 +195,10 @@ MATMULS = [  # (left, right, dimension numbers): the training step's matmuls of 
 ]
 
 
-@pytest.mark.parametrize("lhs, rhs, dims", MATMULS + list(_random_matmuls(24)))
+# ... and matmuls placed at random: every dimension from 8, or, for operands of 64 KiB and more, the ones
+# not contracted from 2 (four key-value heads of a grouped-query attention)
+@pytest.mark.parametrize("lhs, rhs, dims", MATMULS + list(_random_matmuls(20, seed=0)) + list(
+    _random_matmuls(12, seed=1, sizes=(2, 3, 4, 6, 16, 64, 300), contracted=(8, 16, 32, 128), least_bytes=1 << 16)))
 def test_matmul_copies_are_the_compiled_scratch(lhs, rhs, dims):
     """The copies ``matmul_copies`` works out are the scratch the backend's compile of the matmul holds."""
     avals = [(lhs, "float32"), (rhs, "float32")]
