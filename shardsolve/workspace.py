@@ -70,6 +70,10 @@ def workspace_ratio(graph: Graph, op: Op) -> float:
 MIN_KNOWN_DIM = 8
 MIN_KNOWN_BYTES = 1 << 16
 
+#: Scratch below this share of an operation's operand bytes counts as none: a few bytes of bookkeeping (a
+#: scalar, a small index table) are no scratch worth planning for.
+LEAST_RATIO = 0.01
+
 
 def matmul_copies(primitive: str, avals: Sequence[tuple | None], params: dict) -> float | None:
     """The scratch ratio ``workspace_ratio`` would measure for a float32 matmul on XLA's CPU backend, worked
@@ -114,7 +118,7 @@ def matmul_copies(primitive: str, avals: Sequence[tuple | None], params: dict) -
 
     copies = lbytes * copied(len(ls), lb, lfree, lc, True) + rbytes * copied(len(rs), rb, rfree, rc, False)
     ratio = copies / (lbytes + rbytes)
-    return ratio if ratio > 0.01 else 0.0  # (as ``_measure`` rounds)
+    return ratio if ratio > LEAST_RATIO else 0.0
 
 
 @functools.lru_cache(maxsize=1)
@@ -210,8 +214,7 @@ def _measure(op: Op, avals: tuple) -> float:
         temp = float(getattr(memory, "temp_size_in_bytes", 0) or 0)
     except Exception:  # noqa: BLE001 - a primitive that cannot run alone needs no scratch as far as we know
         return 0.0
-    # A few bytes of bookkeeping (a scalar, a small index table) are no scratch worth planning for.
-    return temp / operand_bytes if temp > 0.01 * operand_bytes else 0.0
+    return temp / operand_bytes if temp > LEAST_RATIO * operand_bytes else 0.0
 
 
 def _is_program(p: Any) -> bool:
