@@ -21,6 +21,12 @@
                        on feasibility alone over pruned domains (which may prove there is none)
     solve_whole        <= 400 decisions and 5,000 strategies (or nothing valid yet): the whole model,
                        hinted, for a share of the budget (may prove optimality)
+    dive               no memory constraint binds and the probe's bound is more than ``DIVE_MIN_GAP`` below
+                       the incumbent (a loose LP): every strategy of the node holding most of the gap
+                       bounded by a few TRW-S passes with that node held, the least of them a bound; the
+                       branches of least bound searched by TRW-S alone, an assignment read off at each
+                       check (a change of many nodes at once: the pod-mesh GPT-2's attention moved from
+                       one mesh axis to another, 10% faster)
     lagrangian         no LP and memory binds: the memory constraints priced (``lagrange.dual_ascent``,
                        ``LAGRANGE_SHARE`` of the budget): TRW-S on the priced costs, a certified bound;
                        each step's decoding, repaired and polished by group moves, a start; the decoding
@@ -64,7 +70,7 @@ from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
-from shardsolve.encodings import bounds, cpsat, grouped, heuristics, lagrange, mip, moves, search
+from shardsolve.encodings import bounds, cpsat, dive, grouped, heuristics, lagrange, mip, moves, search
 from shardsolve.encodings.flat import (CHARGE_PER_ITEM, Flat, evaluate, evaluation_charge, flatten, softened,
                                        subproblem, sweep_charge)
 from shardsolve.encodings.presolve import Reduced, reduce
@@ -112,6 +118,11 @@ PROBE_DECODE_EVERY = 16
 #: bound prunes before it solves), the LP over the few allowed entries costs less than TRW-S's passes over whole
 #: tables (planner problems and IOPDDL B, G, V allow 76% to 89%; pruned ones 22% to 27%).
 PROBE_MIN_DENSITY = 0.5
+#: Share of the budget left that ``dive`` (branching on the node that holds most of the probe's gap) may spend.
+DIVE_SHARE = 0.5
+#: ... where the probe's bound is further below the incumbent than this share of its cost (a loose LP: on planner
+#: problems with a tight one the probe proves the optimum, or leaves a fraction of a percent to the search).
+DIVE_MIN_GAP = 0.01
 #: Share of the remaining budget for ``search.component_descent`` (sweeps) before the LNS.
 DESCENT_SHARE = 0.6
 #: The descent's share is spent in this many sweeps, each followed by group moves; the LNS in this many chunks.
@@ -385,6 +396,7 @@ class Portfolio:
         self.guide: np.ndarray | None = None  # the LP relaxation rounded, where it was solved
         self.marginals: list[np.ndarray] | None = None
         self.probe: tuple | None = None  # (cost, bound, node terms, edge terms) of ``trws_probe``, without a proof
+        self.root_terms: tuple | None = None  # (bound, node terms, edge terms) of the probe, for ``dive``
         self.lp_target: Flat | None = None  # the problem the LP solved (pruned by the probe), for the MIP
         self.lp_size = 0  # its LP's variables: node strategies and allowed pairs
         self.probe_passes = 0  # TRW-S passes the probe ran (its bound is in ``bound``)
@@ -454,7 +466,9 @@ class Portfolio:
                 return self.infeasible()
             return self.finish(self.reduced.lift(x), "optimal", -math.inf)
         done = self.phase("lp", self.lp_relaxation)
-        self.probe = None  # the probe's terms (a copy of every table) serve only the LP
+        if self.probe is not None and not len(flat.binding):  # the probe's terms (a copy of every table) serve
+            self.root_terms = self.probe[1:]  # the LP, and the dive where memory does not bind
+        self.probe = None
         if done is None:
             done = self.phase("mip", self.solve_mip)
         self.lp_target = None
@@ -480,6 +494,8 @@ class Portfolio:
             return done
         if self.best_x is None:
             return self.finish(None, "unknown", self.bound + self.offset)
+        self.phase("dive", self.dive)
+        self.root_terms = None
         if self.guide is None:
             self.phase("lagrangian", self.lagrangian)
             if self.priced_guide is None:  # memory not priced: the memory-relaxed bound
@@ -774,6 +790,25 @@ class Portfolio:
         if result.status == "optimal":
             return self.finish(self.reduced.lift(self.best_x), "optimal", self.bound + self.offset)
         return None
+
+    def dive(self) -> None:
+        """The probe's bound short of the incumbent: branch on the node holding most of the gap
+        (``dive.dive``, within ``DIVE_SHARE`` of the budget): a bound of the problem, and starts read off the
+        branches of least bound."""
+        if (self.root_terms is None or self.best_x is None or len(self.flat.binding) or self.budget <= 0
+                or self.wall_left() <= 0):
+            return  # (where memory binds, the memory-relaxed passes read off plans that overfill it)
+        lower, node_terms, edge_terms = self.root_terms
+        if self.bound >= self.best_cost - DIVE_MIN_GAP * abs(self.best_cost):
+            return
+        found = dive.dive(self.flat, node_terms, edge_terms, lower, self.best_x, self.best_cost,
+                          DIVE_SHARE * self.budget, wall_limit=DIVE_SHARE * self.wall_left())
+        if found is None:
+            return
+        self.budget -= found.work
+        self.stats.update(found.stats)
+        self.bound = max(self.bound, found.bound)
+        self.consider(found.x, found.cost)
 
     def certify(self) -> None:
         """Where the LP was too big: TRW-S (memory relaxed; unless the probe ran as many passes), and min-sum

@@ -1,0 +1,88 @@
+"""The dive: branching on the node that holds the LP's gap gives a valid, tighter bound and valid starts."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+
+from shardsolve.encodings import bounds, dive, portfolio, solve
+from shardsolve.encodings.flat import evaluate, flatten
+from shardsolve.problem import Edge, Node, Problem
+from test_reductions import brute_force, small_problems
+
+# cost 1 where two neighbours take the same strategy: no assignment of an odd cycle avoids paying once, while the LP
+# pays nothing (each node half on each strategy, each edge all on the pairs that differ)
+DIFFER = np.array([[1.0, 0.0], [0.0, 1.0]])
+
+
+def frustrated_cycle(n: int) -> Problem:
+    nodes = tuple(Node(f"n{i}", np.array([0.0, 0.0]), np.zeros(2)) for i in range(n))
+    edges = tuple(Edge(i, (i + 1) % n, DIFFER) for i in range(n))
+    return Problem(nodes, edges, None, (), "odd cycle")
+
+
+def test_branching_on_an_odd_cycle_closes_the_gap_the_lp_leaves():
+    flat = flatten(frustrated_cycle(5))
+    lower, node_terms, edge_terms = bounds.trws_bound(flat, 200)
+    assert lower == pytest.approx(0.0, abs=1e-9)  # the LP's value, short of every assignment
+    worst = np.zeros(flat.n, dtype=np.int64)  # all equal: pays on every edge
+    found = dive.dive(flat, node_terms, edge_terms, lower, worst, evaluate(flat, worst), budget=1e9)
+    assert found is not None
+    assert found.bound == pytest.approx(1.0)  # with one node held, the rest is a path: its LP is exact
+    assert found.cost == pytest.approx(1.0) and evaluate(flat, found.x) == pytest.approx(1.0)
+
+
+def test_the_dive_is_left_out_where_its_ranking_does_not_fit_the_budget():
+    flat = flatten(frustrated_cycle(5))
+    lower, node_terms, edge_terms = bounds.trws_bound(flat, 200)
+    x = np.zeros(flat.n, dtype=np.int64)
+    assert dive.dive(flat, node_terms, edge_terms, lower, x, evaluate(flat, x), budget=0.0) is None
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(small_problems(max_nodes=6, max_strategies=3))
+def test_the_dive_bound_never_passes_the_optimum_and_its_start_is_valid(problem):
+    opt, arg = brute_force(problem)
+    if opt == math.inf:
+        return
+    flat = flatten(problem)
+    x = np.array(arg, dtype=np.int64)
+    cost = evaluate(flat, x)
+    lower, node_terms, edge_terms = bounds.trws_bound(flat, 30)
+    found = dive.dive(flat, node_terms, edge_terms, lower - 1e-10 * abs(lower), x, cost, budget=1e9)
+    if found is None:
+        return
+    assert found.bound <= cost + 1e-9 * max(1.0, abs(cost))  # the incumbent is optimal here: nothing beats it
+    assert found.bound >= lower - 1e-9 * max(1.0, abs(lower))
+    if found.x is not None:
+        assert evaluate(flat, found.x) == pytest.approx(found.cost)
+
+
+def test_solve_dives_where_the_probe_leaves_a_gap(monkeypatch):
+    # many odd cycles hung off one chain, with costs that keep the reductions from folding them away
+    rng = np.random.default_rng(3)
+    n_cycles, size = 12, 5
+    nodes, edges = [], []
+    for c in range(n_cycles):
+        base = len(nodes)
+        for i in range(size):
+            nodes.append(Node(f"c{c}n{i}", rng.integers(0, 3, size=3).astype(float), np.zeros(3)))
+        for i in range(size):
+            table = rng.integers(0, 2, size=(3, 3)).astype(float) + 4.0 * np.eye(3)
+            edges.append(Edge(base + i, base + (i + 1) % size, table))
+            edges.append(Edge(base + i, base + (i + 2) % size, 4.0 * np.eye(3)))
+        if c:
+            edges.append(Edge(base - size, base, rng.integers(0, 3, size=(3, 3)).astype(float)))
+    problem = Problem(tuple(nodes), tuple(edges), None, (), "cycles")
+    monkeypatch.setattr(portfolio, "TINY_NODES", 0)  # not solved whole by CP-SAT at once
+    monkeypatch.setattr(portfolio, "EXACT_NODES", 0)
+    dived = []
+    real = dive.dive
+    monkeypatch.setattr(dive, "dive", lambda *a, **k: dived.append(real(*a, **k)) or dived[-1])
+    sol = solve(problem, time_limit=20)
+    assert dived and dived[0] is not None
+    assert sol.stats["dive_node"] >= 0 and sol.stats["dive_bound"] > sol.stats["probe_bound"]
+    assert sol.lower_bound <= sol.cost
