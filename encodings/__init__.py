@@ -21,7 +21,8 @@ together, from z3 unsat cores. The modules, in the order a problem meets them:
                 large-neighbourhood search, TRW-S warm starts
 ``bounds``      certified lower bounds: LP with memory, TRW-S, min-sum diffusion
 ``dive``        branching on the node that holds most of TRW-S's gap: a tighter
-                bound, and starts read off the branches of least bound
+                bound, and starts read off the branches of least bound; the
+                same block by block around each loose spot (tying's bound)
 ``lagrange``    the memory constraints priced per byte: TRW-S on the priced
                 costs, prices by subgradient steps (a bound and starts)
 ``kernels``     TRW-S passes and bound checks compiled with numba

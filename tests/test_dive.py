@@ -86,3 +86,56 @@ def test_solve_dives_where_the_probe_leaves_a_gap(monkeypatch):
     assert dived and dived[0] is not None
     assert sol.stats["dive_node"] >= 0 and sol.stats["dive_bound"] > sol.stats["probe_bound"]
     assert sol.lower_bound <= sol.cost
+
+
+def test_a_node_held_to_one_strategy_is_never_branched_on():
+    flat = flatten(frustrated_cycle(5))
+    x = np.zeros(flat.n, dtype=np.int64)
+    _, node_terms, edge_terms = bounds.trws_bound(flat, 200)
+    first = dive.gap_node(flat, node_terms, edge_terms, x)
+    held = dive.fixed(flat, first, 0)
+    _, node_terms, edge_terms = bounds.trws_bound(held, 200)
+    assert dive.gap_node(held, node_terms, edge_terms, x) not in (None, first)
+
+
+def cycles(count: int, size: int = 5, gap: int = 12) -> Problem:
+    """``count`` frustrated odd cycles in a row, each joined to the next by a path of ``gap`` nodes that costs
+    nothing (longer than a block grows, ``dive.BLOCK_RADIUS``)."""
+    n = count * size + (count - 1) * gap
+    nodes = tuple(Node(f"n{i}", np.array([0.0, 0.0]), np.zeros(2)) for i in range(n))
+    edges = []
+    for c in range(count):
+        first = c * (size + gap)
+        edges += [Edge(first + i, first + (i + 1) % size, DIFFER) for i in range(size)]
+        if c < count - 1:
+            path = [first] + list(range(first + size, first + size + gap)) + [first + size + gap]
+            edges += [Edge(a, b, np.zeros((2, 2))) for a, b in zip(path, path[1:])]
+    return Problem(nodes, tuple(edges), None, (), "odd cycles")
+
+
+def test_blocks_bound_every_cycle_where_one_branching_bounds_one():
+    flat = flatten(cycles(4))
+    lower, node_terms, edge_terms = bounds.trws_bound(flat, 200)
+    x = np.zeros(flat.n, dtype=np.int64)
+    one = dive.dive(flat, node_terms, edge_terms, lower, x, evaluate(flat, x), budget=1e9)
+    assert one.bound == pytest.approx(1.0, abs=1e-6)
+    bound, work, stats = dive.block_bound(flat, node_terms, edge_terms, x, budget=1e9)
+    assert stats["blocks_bounded"] == stats["block_count"] == 4
+    assert bound == pytest.approx(4.0, abs=1e-6)  # the optimum: each cycle pays once
+    assert work > 0
+    # without the budget for a single block, the bound is the terms' least values: TRW-S's own
+    bound, work, stats = dive.block_bound(flat, node_terms, edge_terms, x, budget=0.0)
+    assert stats["blocks_bounded"] == 0 and work == 0.0 and bound == pytest.approx(lower)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(small_problems(max_nodes=6, max_strategies=3))
+def test_the_block_bound_never_passes_the_optimum(problem):
+    opt, arg = brute_force(problem)
+    if opt == math.inf:
+        return
+    flat = flatten(problem)
+    lower, node_terms, edge_terms = bounds.trws_bound(flat, 30)
+    bound, _, _ = dive.block_bound(flat, node_terms, edge_terms, np.array(arg, dtype=np.int64), budget=1e9)
+    assert bound <= evaluate(flat, np.array(arg)) + 1e-9 * max(1.0, abs(opt))
+    assert bound >= lower - 1e-9 * max(1.0, abs(lower))
