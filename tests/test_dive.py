@@ -44,19 +44,21 @@ def test_the_dive_is_left_out_where_its_ranking_does_not_fit_the_budget():
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(small_problems(max_nodes=6, max_strategies=3))
-def test_the_dive_bound_never_passes_the_optimum_and_its_start_is_valid(problem):
+def test_the_dive_and_block_bounds_never_pass_the_optimum_and_the_dives_start_is_valid(problem):
     opt, arg = brute_force(problem)
     if opt == math.inf:
         return
     flat = flatten(problem)
     x = np.array(arg, dtype=np.int64)
-    cost = evaluate(flat, x)
+    cost = evaluate(flat, x)  # the optimum: no bound may pass it
+    tol = 1e-9 * max(1.0, abs(cost))
     lower, node_terms, edge_terms = bounds.trws_bound(flat, 30)
+    blocks, _, _ = dive.block_bound(flat, node_terms, edge_terms, x, budget=1e9)
+    assert lower - tol <= blocks <= cost + tol
     found = dive.dive(flat, node_terms, edge_terms, lower - 1e-10 * abs(lower), x, cost, budget=1e9)
     if found is None:
         return
-    assert found.bound <= cost + 1e-9 * max(1.0, abs(cost))  # the incumbent is optimal here: nothing beats it
-    assert found.bound >= lower - 1e-9 * max(1.0, abs(lower))
+    assert lower - tol <= found.bound <= cost + tol
     if found.x is not None:
         assert evaluate(flat, found.x) == pytest.approx(found.cost)
 
@@ -126,16 +128,3 @@ def test_blocks_bound_every_cycle_where_one_branching_bounds_one():
     # without the budget for a single block, the bound is the terms' least values: TRW-S's own
     bound, work, stats = dive.block_bound(flat, node_terms, edge_terms, x, budget=0.0)
     assert stats["blocks_bounded"] == 0 and work == 0.0 and bound == pytest.approx(lower)
-
-
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(small_problems(max_nodes=6, max_strategies=3))
-def test_the_block_bound_never_passes_the_optimum(problem):
-    opt, arg = brute_force(problem)
-    if opt == math.inf:
-        return
-    flat = flatten(problem)
-    lower, node_terms, edge_terms = bounds.trws_bound(flat, 30)
-    bound, _, _ = dive.block_bound(flat, node_terms, edge_terms, np.array(arg, dtype=np.int64), budget=1e9)
-    assert bound <= evaluate(flat, np.array(arg)) + 1e-9 * max(1.0, abs(opt))
-    assert bound >= lower - 1e-9 * max(1.0, abs(lower))
