@@ -55,8 +55,8 @@ ICM_SWEEPS = 3
 
 @dataclass
 class Dive:
-    """What one dive found: a bound of the problem (``-inf`` where not every branch was bounded), the best valid
-    assignment read off (None: none valid) and its cost, the deterministic work spent, and stats."""
+    """What one dive found: a bound of the problem (TRW-S's own where not every branch was bounded), the best
+    valid assignment read off (None: none valid) and its cost, the deterministic work spent, and stats."""
 
     bound: float = -math.inf
     x: np.ndarray | None = None
