@@ -123,8 +123,7 @@ def dive(flat: Flat, node_terms, edge_terms, lower: float, x: np.ndarray, cost: 
     slack = node_terms[i] - node_terms[i].min()
     branches = [s for s in range(len(flat.costs[i]))
                 if math.isfinite(flat.costs[i][s]) and slack[s] <= gap + 1e-9 * abs(cost)]
-    sample = fixed(flat, i, branches[0]) if branches else flat
-    rank = bounds.trws_charge(sample, RANK_PASSES)
+    rank = bounds.trws_charge(flat, RANK_PASSES)  # (a branch has the problem's sizes, which the charges read)
     if not branches or rank * len(branches) > budget:
         return None
     out = Dive(stats={"dive_node": i, "dive_branches": len(branches)})
@@ -135,11 +134,11 @@ def dive(flat: Flat, node_terms, edge_terms, lower: float, x: np.ndarray, cost: 
         ran: list = []
         lb, _, _ = bounds.trws_bound(fixed(flat, i, s), RANK_PASSES, target=cost, wall_limit=left(), ran=ran,
                                      terms=False)
-        out.work += bounds.trws_charge(sample, ran[0])
+        out.work += bounds.trws_charge(flat, ran[0])
         found[s] = lb - 1e-10 * abs(lb)  # floating-point margin, as the probe's
     open_ = sorted((b, s) for s, b in found.items() if b < cost)
     polish = ICM_SWEEPS * evaluation_charge(flat)
-    per_pass = bounds.trws_pass_charge(sample) + bounds.trws_decode_charge(sample) / DECODE_EVERY
+    per_pass = bounds.trws_pass_charge(flat) + bounds.trws_decode_charge(flat) / DECODE_EVERY
     for k, (b, s) in enumerate(open_[:DEEP_BRANCHES]):
         passes = int(min(DEEP_PASSES, (budget - out.work - polish) / per_pass))
         if passes < (DECODE_EVERY if k == 0 else DEEP_PASSES) or left() == 0.0:
@@ -148,7 +147,7 @@ def dive(flat: Flat, node_terms, edge_terms, lower: float, x: np.ndarray, cost: 
         ran = []
         lb, _, _ = bounds.trws_bound(fixed(flat, i, s), passes, target=cost, decoded=decoded,
                                      decode_every=DECODE_EVERY, wall_limit=left(), ran=ran, terms=False)
-        out.work += bounds.trws_charge(sample, ran[0], -(-ran[0] // DECODE_EVERY)) + polish
+        out.work += bounds.trws_charge(flat, ran[0], -(-ran[0] // DECODE_EVERY)) + polish
         found[s] = max(found[s], lb - 1e-10 * abs(lb))
         y = decoded[0]
         c = evaluate(flat, y)

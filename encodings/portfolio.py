@@ -795,9 +795,8 @@ class Portfolio:
         """The probe's bound short of the incumbent: branch on the node holding most of the gap
         (``dive.dive``, within ``DIVE_SHARE`` of the budget): a bound of the problem, and starts read off the
         branches of least bound."""
-        if (self.root_terms is None or self.best_x is None or len(self.flat.binding) or self.budget <= 0
-                or self.wall_left() <= 0):
-            return  # (where memory binds, the memory-relaxed passes read off plans that overfill it)
+        if self.root_terms is None or self.best_x is None or self.budget <= 0 or self.wall_left() <= 0:
+            return  # (none kept where memory binds: the memory-relaxed passes read off plans that overfill it)
         lower, node_terms, edge_terms = self.root_terms
         if self.bound >= self.best_cost - DIVE_MIN_GAP * abs(self.best_cost):
             return
