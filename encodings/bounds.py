@@ -77,8 +77,14 @@ def trivial_bound(flat: Flat) -> float:
 
 def finite_parts(flat: Flat) -> tuple[list[np.ndarray], list[np.ndarray]]:
     """The costs and tables with every forbidden entry at one finite stand-in (lowering costs keeps a bound
-    valid): four times the summed largest magnitudes, plus one. An array without forbidden entries comes back
-    itself, not a copy; each array's extremes are read once."""
+    valid): four times the summed largest magnitudes, plus one (``stand_in``). An array without forbidden
+    entries comes back itself, not a copy; each array's extremes are read once."""
+    costs, tables, _ = _finite_parts(flat)
+    return costs, tables
+
+
+def _finite_parts(flat: Flat) -> tuple[list[np.ndarray], list[np.ndarray], float]:
+    """``finite_parts`` and the stand-in."""
     arrays = (*flat.costs, *flat.tables)
     top, forbidden = 0.0, []
     for a in arrays:
@@ -91,7 +97,7 @@ def finite_parts(flat: Flat) -> tuple[list[np.ndarray], list[np.ndarray]]:
         top += max(abs(high), abs(low))
     big = 4.0 * top + 1.0
     parts = [np.where(np.isfinite(a), a, big) if bad else a for a, bad in zip(arrays, forbidden)]
-    return parts[:len(flat.costs)], parts[len(flat.costs):]
+    return parts[:len(flat.costs)], parts[len(flat.costs):], big
 
 
 def dual_bound(flat: Flat, iterations: int = 20, wall_limit: float | None = None) -> float:
@@ -140,11 +146,12 @@ def dual_bound(flat: Flat, iterations: int = 20, wall_limit: float | None = None
 
 
 #: ``trws_bound``'s work: a compiled pass (``kernels.trws_pass``) with its share of the bound checks, per node
-#: and edge and per table entry (measured on planner problems and the IOPDDL instances: 0.07 to 0.8 us an
-#: item where items dominate, 0.9 to 2.5 ns an entry where entries do; the charges sit above both), and the
-#: setup in Python sweeps (``flat.sweep_charge``: packing the arrays, the final terms; 0.5 to 1 measured).
+#: and edge and per table entry (measured on planner problems and the IOPDDL instances: 0.07 to 0.1 us an
+#: item where items dominate, 0.45 to 0.9 ns an entry where entries do; the charges sit about twice above
+#: both), and the setup in Python sweeps (``flat.sweep_charge``: packing the arrays, the final terms; 0.5 to 1
+#: measured).
 TRWS_CHARGE_PER_ITEM = 1e-7
-TRWS_CHARGE_PER_ENTRY = 2.5e-9
+TRWS_CHARGE_PER_ENTRY = 1e-9
 TRWS_SETUP_SWEEPS = 2.0
 #: ... and an assignment read off and evaluated (``decode_every``), in Python sweeps.
 TRWS_DECODE_SWEEPS = 2.0
@@ -196,14 +203,28 @@ class TrwsSetup:
     ev: list[int]
     gamma: np.ndarray
     packed: kernels.Packed
+    stand_in: float  # what forbidden entries cost
 
     @classmethod
     def of(cls, flat: Flat) -> TrwsSetup:
-        costs, tables = finite_parts(flat)
+        costs, tables, stand_in = _finite_parts(flat)
         eu = [int(u) for u in flat.eu]
         ev = [int(v) for v in flat.ev]
         gamma = trws_gamma(flat)
-        return cls(costs, tables, eu, ev, gamma, kernels.pack(costs, tables, eu, ev, flat.adj, gamma))
+        return cls(costs, tables, eu, ev, gamma, kernels.pack(costs, tables, eu, ev, flat.adj, gamma), stand_in)
+
+    def held(self, i: int, s: int) -> TrwsSetup:
+        """The setup of the flat with node ``i`` held to strategy ``s`` (``dive.fixed``), sharing this one's
+        tables: node ``i``'s other strategies cost the stand-in. Any finite stand-in keeps the bound valid,
+        and this one is at least the one ``of`` works out for the held flat (which has fewer finite costs),
+        so the LP the passes approach is at least as high; only the node costs are copied."""
+        held = np.full(len(self.costs[i]), self.stand_in)
+        held[s] = self.costs[i][s]
+        costs = list(self.costs)
+        costs[i] = held
+        flat_costs = self.packed.costs.copy()
+        flat_costs[self.packed.noff[i]:self.packed.noff[i + 1]] = held
+        return dataclasses.replace(self, costs=costs, packed=dataclasses.replace(self.packed, costs=flat_costs))
 
 
 class Later:

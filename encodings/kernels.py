@@ -14,9 +14,13 @@ strategies at ``noff[i]:noff[i + 1]``, edge ``e``'s table row-major at
 message to its first node at ``uoff[e]``, ``to_v`` to its second at
 ``voff[e]``), and each node's neighbours after it and before it in index
 order (the sends of a forward and of a backward pass) as CSR lists.
-The kernels compute what the numpy expressions in ``bounds`` did, in the same
-order of floating-point operations. They run without Python's lock (``nogil``),
-so passes on another thread (``tying.BoundAhead``) run beside the caller's work.
+The kernels compute what the numpy expressions in ``bounds`` did: every sum
+in the same order of floating-point operations, the minima over them in any
+order (exact either way). Each table row is read through a view, whose index
+the compiler knows is not negative: indexing the flat array at an offset
+instead makes it check for negative indices and gather entry by entry (three
+times slower). They run without Python's lock (``nogil``), so passes on
+another thread (``tying.BoundAhead``) run beside the caller's work.
 """
 
 from __future__ import annotations
@@ -120,6 +124,29 @@ def hats(p: Packed, to_u: np.ndarray, to_v: np.ndarray) -> np.ndarray:
     return _hats(p.noff, p.costs, p.eu, p.ev, p.uoff, to_u, p.voff, to_v)
 
 
+@njit(f"float64({_F}, {_F})", cache=True, nogil=True, inline="always")
+def _least_sum(row, d):  # pragma: no cover - compiled
+    """min over b of ``row[b] + d[b]``, in four running minima (independent chains the compiler overlaps)."""
+    n = len(row)
+    q = n - n % 4
+    b0 = b1 = b2 = b3 = np.inf
+    for b in range(0, q, 4):
+        x0 = row[b] + d[b]
+        x1 = row[b + 1] + d[b + 1]
+        x2 = row[b + 2] + d[b + 2]
+        x3 = row[b + 3] + d[b + 3]
+        b0 = x0 if x0 < b0 else b0
+        b1 = x1 if x1 < b1 else b1
+        b2 = x2 if x2 < b2 else b2
+        b3 = x3 if x3 < b3 else b3
+    for b in range(q, n):
+        x = row[b] + d[b]
+        b0 = x if x < b0 else b0
+    b0 = b1 if b1 < b0 else b0
+    b2 = b3 if b3 < b2 else b2
+    return b2 if b2 < b0 else b0
+
+
 @njit(f"void(boolean, {_I}, {_F}, {_F}, {_I}, {_I2}, {_I}, {_F}, {_I}, {_F}, {_I}, {_F}, int64)", cache=True, nogil=True)
 def _pass(forward, noff, hat, gamma, ptr, sends, toff, tables, uoff, to_u, voff, to_v, buffer):  # pragma: no cover
     n = len(noff) - 1
@@ -144,21 +171,17 @@ def _pass(forward, noff, hat, gamma, ptr, sends, toff, tables, uoff, to_u, voff,
                     m[b] = np.inf
                 for a in range(si):
                     s = share[a] - to_u[uoff[e] + a]
-                    row = base + a * sj
+                    row = tables[base + a * sj:base + (a + 1) * sj]  # a view: its index is known non-negative
                     for b in range(sj):  # (a select, not a branch: the compiler vectorises it)
-                        x = s + tables[row + b]
+                        x = s + row[b]
                         m[b] = x if x < m[b] else m[b]
                 out, off = to_v, voff[e]
             else:  # i's strategies are the table's columns; the message j sent is to_v[e]
                 for b in range(si):  # what i sends along every column, worked out once
                     d[b] = share[b] - to_v[voff[e] + b]
+                ds = d[:si]
                 for a in range(sj):
-                    row = base + a * si
-                    best = np.inf
-                    for b in range(si):
-                        x = tables[row + b] + d[b]
-                        best = x if x < best else best
-                    m[a] = best
+                    m[a] = _least_sum(tables[base + a * si:base + (a + 1) * si], ds)
                 out, off = to_u, uoff[e]
             low = np.inf
             for b in range(sj):
@@ -180,34 +203,40 @@ def trws_pass(p: Packed, forward: bool, hat: np.ndarray, to_u: np.ndarray, to_v:
 
 
 @njit(f"float64(boolean, {_I}, {_F}, {_I}, {_I}, {_F}, {_I}, {_F}, {_I}, {_F}, {_I}, {_F})", cache=True, nogil=True)
-def _value(forward, noff, costs, eu, ev, gamma, toff, tables, uoff, to_u, voff, to_v):  # pragma: no cover
+def _value(forward, noff, costs, eu, ev, gamma, toff, tables, uoff, to_u, voff, to_v):  # pragma: no cover - compiled
     hat = _hats(noff, costs, eu, ev, uoff, to_u, voff, to_v)
     n = len(noff) - 1
     sends = np.zeros(n)
     value = 0.0
+    m = np.empty(max(1, int(np.max(np.diff(voff))) if len(eu) else 1))
     for e in range(len(eu)):
         u, v = eu[e], ev[e]
         su, sv = uoff[e + 1] - uoff[e], voff[e + 1] - voff[e]
         base = toff[e]
-        low = np.inf
+        tv = to_v[voff[e]:voff[e + 1]]
+        for b in range(sv):
+            m[b] = np.inf
         if (u < v) == forward:  # u goes first in this pass
             sends[u] += 1
             for a in range(su):
                 s = gamma[u] * hat[noff[u] + a] - to_u[uoff[e] + a]
-                row = base + a * sv
-                for b in range(sv):
-                    x = (tables[row + b] + s) - to_v[voff[e] + b]
-                    if x < low:
-                        low = x
+                row = tables[base + a * sv:base + (a + 1) * sv]  # a view: its index is known non-negative
+                for b in range(sv):  # entrywise minima over the rows (vectorised), their least below
+                    x = (row[b] + s) - tv[b]
+                    m[b] = x if x < m[b] else m[b]
         else:
             sends[v] += 1
+            hv = hat[noff[v]:noff[v + 1]]
             for a in range(su):
-                row = base + a * sv
+                row = tables[base + a * sv:base + (a + 1) * sv]
                 t = to_u[uoff[e] + a]
                 for b in range(sv):
-                    x = (tables[row + b] + (gamma[v] * hat[noff[v] + b] - to_v[voff[e] + b])) - t
-                    if x < low:
-                        low = x
+                    x = (row[b] + (gamma[v] * hv[b] - tv[b])) - t
+                    m[b] = x if x < m[b] else m[b]
+        low = np.inf
+        for b in range(sv):
+            if m[b] < low:
+                low = m[b]
         value += low
     nodes = 0.0
     for i in range(n):

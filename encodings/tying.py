@@ -126,7 +126,6 @@ class BoundAhead:
     def __init__(self, reduced: Reduced, least_seconds: float):
         self.reduced = reduced
         self.flat = flatten(reduced.problem)
-        self.setup = TrwsSetup.of(self.flat)  # here: the passes' thread then needs Python's lock seldom
         self.free_passes = _bound_passes(self.flat, least_seconds)
         self.target, self.passes, self.wall = Later(math.inf), Later(None), Later(None)
         self.ran: list = []
@@ -137,10 +136,10 @@ class BoundAhead:
         self._thread.start()
 
     def _run(self) -> None:
-        try:
+        try:  # the setup copies whole tables (numpy, mostly without Python's lock): beside the tied solve too
             self._result = trws_bound(self.flat, self.passes, target=self.target, wall_limit=self.wall,
                                       ran=self.ran, stall=BOUND_STALL, free_passes=self.free_passes,
-                                      setup=self.setup)
+                                      setup=TrwsSetup.of(self.flat))
         except BaseException as e:  # handed to the caller of ``result``
             self._error = e
         finally:

@@ -13,8 +13,8 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from shardsolve.encodings import (bounds, explain_infeasible, grouped, heuristics, mip, moves, portfolio, search,
-                                  smt, solve)
+from shardsolve.encodings import (bounds, dive, explain_infeasible, grouped, heuristics, kernels, mip, moves,
+                                  portfolio, search, smt, solve)
 from shardsolve.encodings.cpsat import reduce_table, solve_cpsat, solve_feasibility
 from shardsolve.encodings.flat import evaluate, flatten, profile, softened
 from shardsolve.encodings.presolve import reduce, restrict
@@ -128,6 +128,66 @@ def random_trees(draw, max_nodes: int = 7) -> Problem:
     return Problem(nodes, tuple(edges))
 
 
+def _random_flat(seed: int):
+    """Eight nodes of 1 to 9 strategies (every remainder of the kernels' four-way loops), twelve random edges."""
+    rng = np.random.default_rng(seed)
+    sizes = rng.integers(1, 10, size=8)
+    nodes = tuple(Node(f"n{i}", rng.normal(size=k), np.zeros(k)) for i, k in enumerate(sizes))
+    edges = []
+    for _ in range(12):
+        u, v = (int(x) for x in rng.choice(8, size=2, replace=False))
+        edges.append(Edge(u, v, rng.normal(size=(sizes[u], sizes[v]))))
+    return flatten(Problem(nodes, tuple(edges)))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_compiled_trws_passes_and_bound_match_the_message_formula(seed):
+    """The compiled pass sends ``M_ij(b) = min_a (g_i hat_i(a) - M_ji(a) + C_ij(a, b))`` less its least entry,
+    and the bound check sums the reparametrised minima, as the formulas give them in numpy."""
+    flat = _random_flat(seed)
+    setup = bounds.TrwsSetup.of(flat)
+    packed = setup.packed
+    to_u, to_v = packed.messages()
+    hat = kernels.hats(packed, to_u, to_v)
+    mu = [np.zeros(t.shape[0]) for t in setup.tables]  # the formula's messages to each edge's u, and to its v
+    mv = [np.zeros(t.shape[1]) for t in setup.tables]
+
+    def hat_of(i):
+        return setup.costs[i] + sum((mu[e] if is_u else mv[e]) for e, _, is_u in flat.adj[i])
+
+    for k in range(5):
+        forward = k % 2 == 0
+        kernels.trws_pass(packed, forward, hat, to_u, to_v)
+        for i in range(flat.n) if forward else reversed(range(flat.n)):
+            share = setup.gamma[i] * hat_of(i)
+            for e, j, is_u in flat.adj[i]:
+                if (j > i) != forward:
+                    continue
+                table = setup.tables[e]
+                if is_u:
+                    m = np.min((share - mu[e])[:, None] + table, axis=0)
+                    mv[e] = m - m.min()
+                else:
+                    m = np.min(table + (share - mv[e])[None, :], axis=1)
+                    mu[e] = m - m.min()
+        np.testing.assert_allclose(to_u, np.concatenate(mu), rtol=1e-9, atol=1e-9)
+        np.testing.assert_allclose(to_v, np.concatenate(mv), rtol=1e-9, atol=1e-9)
+        hats = [hat_of(i) for i in range(flat.n)]
+        np.testing.assert_allclose(hat, np.concatenate(hats), rtol=1e-9, atol=1e-9)
+        sends = np.zeros(flat.n)
+        value = 0.0
+        for e, (u, v) in enumerate(zip(setup.eu, setup.ev)):
+            table = setup.tables[e]
+            if (u < v) == forward:  # u sends first in this pass
+                sends[u] += 1
+                value += np.min(table + (setup.gamma[u] * hats[u] - mu[e])[:, None] - mv[e][None, :])
+            else:
+                sends[v] += 1
+                value += np.min(table + (setup.gamma[v] * hats[v] - mv[e])[None, :] - mu[e][:, None])
+        value += sum(np.min((1.0 - setup.gamma[i] * sends[i]) * hats[i]) for i in range(flat.n))
+        assert kernels.reparametrised_value(packed, forward, to_u, to_v) == pytest.approx(value, rel=1e-9, abs=1e-9)
+
+
 @FAST
 @given(random_trees())
 def test_trws_bound_is_exact_on_trees(problem):
@@ -136,6 +196,19 @@ def test_trws_bound_is_exact_on_trees(problem):
     assert bound <= opt + 1e-9 * max(1.0, opt)
     assert bound == pytest.approx(opt, rel=1e-6, abs=1e-6)
 
+
+@FAST
+@given(random_trees(), st.data())
+def test_trws_on_a_held_setup_is_exact_on_trees_held_at_a_node(problem, data):
+    """A setup with one node held (``TrwsSetup.held``, the dive's branches) bounds the held problem: on a tree,
+    exactly its optimum, the held node's other strategies never taken."""
+    flat = flatten(problem)
+    i = data.draw(st.integers(0, flat.n - 1))
+    s = data.draw(st.integers(0, len(flat.costs[i]) - 1))
+    held = dive.fixed(flat, i, s)
+    best = min(evaluate(held, np.array(x)) for x in itertools.product(*(range(len(c)) for c in flat.costs)))
+    bound, _, _ = bounds.trws_bound(held, passes=60, setup=bounds.TrwsSetup.of(flat).held(i, s))
+    assert bound == pytest.approx(best, abs=1e-6)
 
 @FAST
 @given(random_trees())
