@@ -307,8 +307,8 @@ def trws_bound(
     where the stall test would have stopped at one of them, the bound and messages of that check are
     returned (kept for every check the stall test may stop at). Where the target is met, the passes stop
     at the first check that knows it (the bound is then at least the target, as it would have been). The
-    wall net counts from its settling. ``setup``: ``TrwsSetup.of(flat)``, made beforehand (on the caller's
-    thread, where the passes run on another: their thread then takes Python's lock once per check).
+    wall net counts from its settling. ``setup``: ``TrwsSetup.of(flat)`` made beforehand, or one shared by
+    problems that differ in one node's costs (``TrwsSetup.held``).
     """
     started = time.perf_counter()
     n = flat.n
