@@ -34,13 +34,15 @@ import dataclasses
 import math
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 
 from shardsolve.encodings import bounds, heuristics
 from shardsolve.encodings.flat import Flat, evaluate, evaluation_charge
 
-__all__ = ["Dive", "dive", "gap_node", "gap_shares", "fixed", "blocks_around", "block_flat", "block_bound"]
+__all__ = ["Dive", "dive", "gap_node", "gap_shares", "fixed", "reparametrised", "held_bounds", "blocks_around",
+           "block_flat", "block_bound"]
 
 #: Passes that rank every branch by its bound, and passes for each of at most ``DEEP_BRANCHES`` branches of
 #: least bound, an assignment read off every ``DECODE_EVERY`` passes (on the pod-mesh GPT-2 problem the branch of
@@ -109,6 +111,22 @@ def fixed(flat: Flat, i: int, s: int) -> Flat:
     return dataclasses.replace(flat, costs=tuple(costs))
 
 
+def held_bounds(flat: Flat, setup: bounds.TrwsSetup, i: int, strategies, passes: int, target: float,
+                left: Callable[[], float | None] = lambda: None) -> tuple[dict[int, float], int]:
+    """TRW-S's bound of ``flat`` with node ``i`` held to each of ``strategies`` in turn: ``passes`` passes each
+    over ``setup`` (``TrwsSetup.held``; ``setup`` is ``flat``'s), stopping once a bound reaches ``target``.
+    ``left()``: the wall-clock seconds left (None: no net); once it is 0 the strategies after are left out.
+    Returns the bounds of those run and the passes run in all."""
+    found: dict[int, float] = {}
+    ran: list = []
+    for s in strategies:
+        if left() == 0.0:
+            break
+        found[s], _, _ = bounds.trws_bound(fixed(flat, i, s), passes, target=target, wall_limit=left(), ran=ran,
+                                           terms=False, setup=setup.held(i, s))
+    return found, sum(ran)
+
+
 def dive(flat: Flat, node_terms, edge_terms, lower: float, x: np.ndarray, cost: float, budget: float,
          wall_limit: float | None = None) -> Dive | None:
     """Branch on ``gap_node`` of the incumbent ``x`` (of cost ``cost``), given TRW-S's ``lower`` bound and terms.
@@ -145,15 +163,9 @@ def dive(flat: Flat, node_terms, edge_terms, lower: float, x: np.ndarray, cost: 
     warm = reparametrised(flat, node_terms, edge_terms)
     setup = bounds.TrwsSetup.of(warm)
     out.work += setup_charge
-    found: dict[int, float] = {}
-    for s in branches:
-        if left() == 0.0:
-            break
-        ran: list = []
-        lb, _, _ = bounds.trws_bound(fixed(warm, i, s), RANK_PASSES, target=cost, wall_limit=left(), ran=ran,
-                                     terms=False, setup=setup.held(i, s))
-        out.work += ran[0] * bounds.trws_pass_charge(flat)
-        found[s] = lb - 1e-10 * abs(lb)  # floating-point margin, as the probe's
+    found, ran = held_bounds(warm, setup, i, branches, RANK_PASSES, cost, left)
+    out.work += ran * bounds.trws_pass_charge(flat)
+    found = {s: lb - 1e-10 * abs(lb) for s, lb in found.items()}  # floating-point margin, as the probe's
     open_ = sorted((b, s) for s, b in found.items() if b < cost)
     polish = ICM_SWEEPS * evaluation_charge(flat)
     per_pass = bounds.trws_pass_charge(flat) + bounds.trws_decode_charge(flat) / DECODE_EVERY
@@ -280,15 +292,9 @@ def block_bound(flat: Flat, node_terms, edge_terms, x: np.ndarray, budget: float
         if late or work + setup_charge + len(branches) * per_branch > budget:
             bound += least
             continue
-        best = math.inf
         setup = bounds.TrwsSetup.of(sub)  # once a block, its node costs copied a branch (``TrwsSetup.held``)
-        work += setup_charge
-        for s in branches:
-            ran: list = []
-            lb, _, _ = bounds.trws_bound(fixed(sub, k, s), BLOCK_PASSES, target=at_x, ran=ran, terms=False,
-                                         setup=setup.held(k, s))
-            work += ran[0] * bounds.trws_pass_charge(sub)
-            best = min(best, lb)
-        bound += max(least, min(best, at_x))
+        found, ran = held_bounds(sub, setup, k, branches, BLOCK_PASSES, at_x)
+        work += setup_charge + ran * bounds.trws_pass_charge(sub)
+        bound += max(least, min(min(found.values(), default=math.inf), at_x))
         done += 1
     return bound, work, {"block_count": len(centres), "blocks_bounded": done}
