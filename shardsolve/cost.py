@@ -57,6 +57,7 @@ problem builder's edge tables per (shape, sharding sets).
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 import re
 from dataclasses import dataclass
@@ -64,6 +65,7 @@ from typing import Any, Callable, Iterable, NamedTuple, Sequence
 
 import numpy as np
 
+from shardsolve.errors import ShardsolveError
 from shardsolve.hlo import collective_kind, instructions, parse_replica_groups, shape_bytes, tuple_components
 from shardsolve.mesh import MeshAxis, MeshSpec
 from shardsolve.sharding import Sharding
@@ -325,9 +327,11 @@ def wire_type(dtype: Any) -> tuple[str, int]:
 # -- reshard steps ---------------------------------------------------------------------
 
 
-def _uneven(shape: Sequence[int], axes: Sequence[str], d: int, mesh: MeshSpec) -> bool:
+@functools.lru_cache(maxsize=1 << 14)
+def _uneven(size: int, axes: tuple[str, ...], mesh: MeshSpec) -> bool:
+    """Whether ``axes`` split a dimension of ``size`` unevenly."""
     n = mesh.group_size(axes)
-    return n > 1 and shape[d] % n != 0
+    return n > 1 and size % n != 0
 
 
 def _build_template(shape: tuple[int, ...], src: Sharding, dst: Sharding, mesh: MeshSpec) -> tuple | None:
@@ -372,9 +376,14 @@ def _build_template(shape: tuple[int, ...], src: Sharding, dst: Sharding, mesh: 
     return tuple(walk.steps)
 
 
+@functools.lru_cache(maxsize=64)
+def _has_unit_axes(mesh: MeshSpec) -> bool:
+    return any(a.size == 1 for a in mesh.axes)
+
+
 def without_unit_axes(s: Sharding, mesh: MeshSpec) -> Sharding:
     """``s`` without the mesh axes of size 1 (on its dimensions and among its partial axes)."""
-    if all(a.size > 1 for a in mesh.axes) or all(mesh.axis(a).size > 1 for a in s.axes + s.partial):
+    if not _has_unit_axes(mesh) or all(mesh.axis(a).size > 1 for a in s.axes + s.partial):
         return s
     dims = tuple(tuple(a for a in d if mesh.axis(a).size > 1) for d in s.dims)
     partial = tuple(a for a in s.partial if mesh.axis(a).size > 1)
@@ -404,7 +413,7 @@ class _StepWalk:
         return Sharding(tuple(self.dims), all_partial, self.src.reduce_op if all_partial else "sum")
 
     def uneven(self, axes: Sequence[str], d: int) -> bool:
-        return _uneven(self.shape, axes, d, self.mesh)
+        return _uneven(self.shape[d], axes, self.mesh)
 
     def common_prefix(self, d: int) -> int:
         """How many leading axes of dimension ``d`` stay (0 where an uneven split must be gathered whole)."""
@@ -589,8 +598,22 @@ TEMPLATE_CAP = 1 << 18
 
 
 def _compiled(shape: tuple[int, ...], src: Sharding, dst: Sharding, mesh: MeshSpec) -> tuple[StepTemplate, ...] | None:
+    if (set(src.partial) > set(dst.partial) and (not dst.partial or src.reduce_op == dst.reduce_op)
+            and src == without_unit_axes(src, mesh) and dst == without_unit_axes(dst, mesh)):
+        # Pending reductions first, then the steps from where they leave the value, which every source
+        # sharding with the same dimensions and other pending axes shares (``_template`` holds them).
+        walk = _StepWalk(shape, src, dst, mesh)
+        walk.reductions()
+        rest = _template(shape, walk.state(()), dst, mesh)
+        return tuple(StepTemplate.compile(st, mesh) for st in walk.steps) + rest
     tpl = _build_template(shape, src, dst, mesh)
     return None if tpl is None else tuple(StepTemplate.compile(st, mesh) for st in tpl)
+
+
+@functools.lru_cache(maxsize=1 << 14)
+def _union_size(a: tuple[str, ...], b: tuple[str, ...], mesh: MeshSpec) -> int:
+    """The size of the mesh axes in ``a`` or ``b`` (those that split one dimension in two shardings)."""
+    return mesh.group_size(set(a) | set(b))
 
 
 def _template(shape: tuple[int, ...], src: Sharding, dst: Sharding, mesh: MeshSpec) -> tuple[StepTemplate, ...] | None:
@@ -608,7 +631,7 @@ def _template(shape: tuple[int, ...], src: Sharding, dst: Sharding, mesh: MeshSp
             _TEMPLATES.clear()
         if len(src.dims) != len(shape) or len(dst.dims) != len(shape):
             return _compiled(shape, src, dst, mesh)  # let the builder complain; cache nothing
-        prods = tuple(mesh.group_size(set(a) | set(b)) for a, b in zip(src.dims, dst.dims))
+        prods = tuple(map(_union_size, src.dims, dst.dims, itertools.repeat(mesh)))
         hit = _TEMPLATES[pair] = (prods, {})
     prods, by_class = hit
     cls = tuple(map(math.gcd, shape, prods))
@@ -670,14 +693,158 @@ def reshard_time_given(
 # -- reshard tables (the problem builder's) -------------------------------------------------
 
 
+def _row_width(rank: int) -> int:
+    return 2 * rank + 8
+
+
+# A pair's key in a ``_StepStore``: its shape class's number << 48 | source sharding id << 24 | destination id.
+_ID_MASK = (1 << 24) - 1
+_CLASS_LIMIT = 1 << 15
+
+
+def _step_rows(steps: tuple[StepTemplate, ...] | None, rank: int) -> list[tuple[float, ...]]:
+    """The steps of one reshard that move bytes, a row of numbers each.
+
+    A row: ``parts`` and ``parts_before`` (``rank`` each), ``pad_dim``
+    (-1: none), ``pad_to``, ``gathered``, then the ``CollectiveCost``'s
+    latency, passes, share, group and bandwidth (every integer is exact in
+    a float64). An impossible reshard (``steps`` ``None``) is one row of
+    infinite latency.
+    """
+    if steps is None:
+        return [(0,) * (2 * rank) + (-1, 1, 0, math.inf, 1, 1, 1, 1)]
+    return [t.parts + (t.parts_before or (0,) * rank)
+            + (-1 if t.pad_dim is None else t.pad_dim, t.pad_to, t.gathered, t.price.latency, t.price.passes,
+               t.price.share, t.price.group, t.price.bandwidth)
+            for t in steps if t.price.passes]
+
+
+def _distinct_rows(a: np.ndarray, bound: int) -> tuple[np.ndarray, np.ndarray]:
+    """``np.unique(a, axis=0)``'s first index of each distinct row and each row's number, for entries in [0, ``bound``].
+
+    The rows are read as numbers in base ``bound + 1`` (renumbered where the
+    next digit would overflow), sorted once rather than row by row.
+    """
+    code = np.zeros(len(a), dtype=np.int64)
+    for column in a.T:
+        if (int(code.max(initial=0)) + 1) * (bound + 1) >= 1 << 62:
+            code = np.unique(code, return_inverse=True)[1]
+        code = code * (bound + 1) + column
+    _, first, which = np.unique(code, return_index=True, return_inverse=True)
+    return first, which
+
+
+def _local_elements(shape: np.ndarray, parts: np.ndarray) -> np.ndarray:
+    """Elements per dimension of the local buffer with ``parts`` shards of each dimension (0: unsplit)."""
+    return np.where(parts > 0, -(-shape // np.maximum(parts, 1)), shape)
+
+
+def _seconds(shape: tuple[int, ...], itemsize: int, rows: np.ndarray, pair: np.ndarray, pairs: int) -> np.ndarray:
+    """Seconds of each of ``pairs`` reshards of a value of ``shape``: its ``_step_rows`` ``rows`` summed by ``pair``.
+
+    ``StepTemplate.time`` in numpy, operation for operation, and the steps
+    added in their order, so every sum is ``reshard_time``'s float.
+    """
+    rank = len(shape)
+    if not len(rows):
+        return np.zeros(pairs)
+    dims = np.asarray(shape, dtype=np.int64)
+    ints = rows[:, :2 * rank + 3].astype(np.int64)
+    local = _local_elements(dims, ints[:, :rank])
+    padded = np.flatnonzero(ints[:, 2 * rank] >= 0)
+    if len(padded):
+        d, to = ints[padded, 2 * rank], ints[padded, 2 * rank + 1]
+        local[padded, d] = -(-local[padded, d] // to) * to
+    nbytes = itemsize * np.prod(local, axis=1)
+    gathered = ints[:, 2 * rank + 2]
+    if gathered.any():
+        held = itemsize * gathered * np.prod(_local_elements(dims, ints[:, rank:2 * rank]), axis=1)
+        nbytes = np.where(gathered > 0, np.maximum(nbytes, held), nbytes)
+    latency, passes, share, group, bandwidth = rows[:, 2 * rank + 3:].T
+    t = np.where((nbytes > 0) | np.isinf(latency), latency + passes * nbytes * share / group / bandwidth, 0.0)
+    return np.bincount(pair, weights=t, minlength=pairs)
+
+
+class _StepStore:
+    """The ``_step_rows`` of reshard templates of one rank in one growing array, found by pair key in numpy.
+
+    Template ``i``'s rows are ``rows[start[i]:start[i] + count[i]]``. A
+    pair key (``ReshardTables._pair_steps``) maps to its template's number
+    through sorted keys searched at once; keys added since the last merge
+    wait in a second sorted array until it is a quarter of the first.
+    """
+
+    def __init__(self, width: int):
+        self.rows = np.empty((1024, width))
+        self.used = 0
+        self.start = np.empty(1024, dtype=np.int64)
+        self.count = np.empty(1024, dtype=np.int64)
+        self.templates = 0
+        self.keys = [np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int64)]  # merged, recent
+        self.numbers = [np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int64)]
+
+    def add(self, rows: list[tuple[float, ...]], counts: list[int]) -> None:
+        """Templates numbered from ``templates`` on, of ``counts`` of ``rows`` each in turn."""
+        n, m = len(counts), len(rows)
+        while self.used + m > len(self.rows):
+            self.rows = np.concatenate([self.rows, np.empty_like(self.rows)])
+        while self.templates + n > len(self.start):
+            self.start = np.concatenate([self.start, np.empty_like(self.start)])
+            self.count = np.concatenate([self.count, np.empty_like(self.count)])
+        if m:
+            self.rows[self.used:self.used + m] = rows
+        self.count[self.templates:self.templates + n] = counts
+        self.start[self.templates:self.templates + n] = self.used + np.cumsum(counts) - counts
+        self.used += m
+        self.templates += n
+
+    def find(self, keys: np.ndarray) -> np.ndarray:
+        """Each key's template number, -1 for a key not seen."""
+        out = np.full(len(keys), -1, dtype=np.int64)
+        for known, numbers in zip(self.keys, self.numbers):
+            if not len(known):
+                continue
+            at = np.minimum(np.searchsorted(known, keys), len(known) - 1)
+            hit = known[at] == keys
+            out[hit] = numbers[at[hit]]
+        return out
+
+    def remember(self, keys: np.ndarray, numbers: np.ndarray) -> None:
+        recent = np.concatenate([self.keys[1], keys])
+        order = np.argsort(recent, kind="stable")
+        self.keys[1], self.numbers[1] = recent[order], np.concatenate([self.numbers[1], numbers])[order]
+        if len(self.keys[1]) > len(self.keys[0]) // 4:
+            merged = np.concatenate(self.keys)
+            order = np.argsort(merged, kind="stable")
+            self.keys = [merged[order], np.empty(0, dtype=np.int64)]
+            self.numbers = [np.concatenate(self.numbers)[order], np.empty(0, dtype=np.int64)]
+
+    def gather(self, found: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The rows of templates ``found`` in turn, and the position in ``found`` each row belongs to."""
+        count = self.count[found]
+        ends = np.cumsum(count)
+        pair = np.repeat(np.arange(len(found)), count)
+        at = np.arange(int(ends[-1]) if len(ends) else 0) + np.repeat(self.start[found] - (ends - count), count)
+        return self.rows[at], pair
+
+
 class ReshardTables:
     """Reshard-time tables, computed once per distinct (shape, dtype size, shardings) and reused.
 
     Shardings are numbered (``ids``) so that a table is keyed by arrays of
-    sharding ids; a table over distinct ids (``_small``) is priced once with
-    ``reshard_time`` and expanded to each requested order (``_full``). An
-    impossible reshard costs ``impossible`` (the problem's ``FORBIDDEN`` for
-    the problem builder).
+    sharding ids; a table over distinct ids (``_small``) is priced once and
+    expanded to each requested order (``_full``). An impossible reshard costs
+    ``impossible`` (the problem's ``FORBIDDEN`` for the problem builder).
+
+    A table is priced in numpy, equal to the bit to ``reshard_time`` of
+    each pair: every pair's template (``_template``) is kept as rows of
+    numbers, one per step that moves bytes (``_step_rows``, in a
+    ``_StepStore`` per rank), found for all the table's pairs at once by
+    their sharding ids and shape class (``_pair_steps``), and the rows'
+    bytes and seconds are computed and summed per pair at once
+    (``_seconds``). A three-axis mesh asks for some two million pairs
+    (Llama large on 2x2x2): priced one by one with ``reshard_time``, the
+    tables took 10.5 s of its problem building.
     """
 
     def __init__(self, mesh: MeshSpec, impossible: float = math.inf):
@@ -689,6 +856,11 @@ class ReshardTables:
         self._full: dict[tuple, np.ndarray] = {}
         self._merged: dict[tuple, dict[tuple, np.ndarray]] = {}
         self._merged_full: dict[tuple, dict[tuple, np.ndarray]] = {}
+        self._stores: dict[int, _StepStore] = {}  # per rank: its pairs' templates (``_pair_steps``)
+        self._class_ids: dict[tuple[int, ...], int] = {}
+        self._masks: list[tuple[int, ...]] = []  # per sharding id and dimension: its axes as bits of mesh.axes
+        # (id of a template, rank) -> (it, its number in the rank's store); it is held, so no other object takes its id
+        self._numbers: dict[tuple[int, int], tuple[Any, int]] = {}
 
     def ids(self, shardings: Sequence[Sharding]) -> np.ndarray:
         out = np.empty(len(shardings), dtype=np.int64)
@@ -714,15 +886,68 @@ class ReshardTables:
         key = (shape, itemsize, su.tobytes(), du.tobytes())
         small = self._small.get(key)
         if small is None:
-            small = np.empty((len(su), len(du)), dtype=np.float64)
-            for a, s in enumerate(su):
-                for b, d in enumerate(du):
-                    t = reshard_time(shape, itemsize, self.shardings[s], self.shardings[d], self.mesh)
-                    small[a, b] = self.impossible if math.isinf(t) else t
-            self._small[key] = small
+            rows, pair = self._pair_steps(shape, su, du)
+            t = _seconds(shape, itemsize, rows, pair, len(su) * len(du)).reshape(len(su), len(du))
+            t[np.isinf(t)] = self.impossible
+            small = self._small[key] = t
         out = self._full[full_key] = small[np.ix_(si, di)]
         out.flags.writeable = False
         return out
+
+    def _pair_steps(self, shape: tuple[int, ...], su: np.ndarray, du: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The priced steps of every (source in ``su``, destination in ``du``) pair for a value of ``shape``.
+
+        ``(rows, pair)``: ``_step_rows`` of every pair's steps in turn and
+        each row's pair (``a * len(du) + b``). A pair's rows are those of
+        its template (``_template``), found by the pair and its shape class,
+        which numpy works out for every pair at once; only a pair not seen
+        before in its class is looked up in Python.
+        """
+        rank = len(shape)
+        classes = np.gcd(np.asarray(shape, dtype=np.int64), self._split_sizes(su, du)).reshape(len(su) * len(du), rank)
+        first, which = _distinct_rows(classes, self.mesh.size)
+        ids = np.array([self._class_ids.setdefault(tuple(c), len(self._class_ids)) for c in classes[first].tolist()],
+                       dtype=np.int64)
+        if len(self.shardings) > _ID_MASK or len(self._class_ids) > _CLASS_LIMIT:
+            raise ShardsolveError(f"the reshard tables number at most {_ID_MASK + 1} shardings and {_CLASS_LIMIT} "
+                                  f"shape classes; this problem has {len(self.shardings)} and {len(self._class_ids)}")
+        keys = ((ids[which].reshape(len(su), len(du)) << 48) | (su[:, None] << 24) | du[None, :]).ravel()
+        store = self._stores.get(rank)
+        if store is None:
+            store = self._stores[rank] = _StepStore(_row_width(rank))
+        found = store.find(keys)
+        new = np.flatnonzero(found < 0)
+        numbers, shardings, mesh = self._numbers, self.shardings, self.mesh
+        rows, counts = [], []
+        for k, key in zip(new.tolist(), keys[new].tolist()):
+            steps = _template(shape, shardings[(key >> 24) & _ID_MASK], shardings[key & _ID_MASK], mesh)
+            # (by the steps' identity: an impossible or empty reshard's are shared by many pairs)
+            known = numbers.get((id(steps), rank))
+            if known is None:
+                more = _step_rows(steps, rank)
+                known = numbers[id(steps), rank] = (steps, store.templates + len(counts))
+                rows += more
+                counts.append(len(more))
+            found[k] = known[1]
+        store.add(rows, counts)
+        store.remember(keys[new], found[new])
+        return store.gather(found)
+
+    def _split_sizes(self, su: np.ndarray, du: np.ndarray) -> np.ndarray:
+        """Per (source, destination, dimension): the size of the mesh axes either sharding splits it by.
+
+        ``_template``'s products, whose gcd with a dimension gives its shape
+        class.
+        """
+        masks, shardings, names = self._masks, self.shardings, self.mesh.names
+        for s in shardings[len(masks):]:
+            masks.append(tuple(sum(1 << names.index(a) for a in axes) for axes in s.dims))
+        union = np.array([masks[s] for s in su.tolist()], dtype=np.int64)[:, None, :] | np.array(
+            [masks[d] for d in du.tolist()], dtype=np.int64)[None, :, :]
+        sizes = np.ones(union.shape, dtype=np.int64)
+        for k, axis in enumerate(self.mesh.axes):
+            sizes *= np.where((union >> k) & 1, axis.size, 1)
+        return sizes
 
     def mergeable_latency(self, shape: tuple[int, ...], itemsize: int, src: np.ndarray,
                           dst: np.ndarray) -> dict[tuple, np.ndarray]:

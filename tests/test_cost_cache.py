@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from shardsolve.cost import collective_time, reshard_steps, reshard_steps_uncached, reshard_time
+from shardsolve.cost import ReshardTables, collective_time, reshard_steps, reshard_steps_uncached, reshard_time
 from shardsolve.mesh import MeshSpec
 from shardsolve.sharding import Sharding, candidate_shardings
 
@@ -48,3 +48,37 @@ def test_cached_reshards_match_uncached(mesh):
             else:
                 # The same float, to the bit: plans must not change with the cache.
                 assert got == sum(collective_time(s.kind, s.axes, s.bytes, mesh) for s in want), (sh, src, dst)
+
+
+TABLE_MESHES = MESHES + [MeshSpec.parse("a=2,one=1,b=4", latency={"b": 3e-6})]
+
+
+@pytest.mark.parametrize("mesh", TABLE_MESHES, ids=str)
+def test_tables_equal_reshard_time_to_the_bit(mesh):
+    """``ReshardTables`` prices whole tables in numpy: every entry is ``reshard_time``'s float, or ``impossible``."""
+    rng = random.Random(f"tables {mesh}")
+    tables = ReshardTables(mesh, impossible=-1.0)
+    checked = impossible = 0
+    for _ in range(60):
+        rank = rng.choice([0, 1, 2, 3])
+        shape = tuple(rng.choice(SIZES) for _ in range(rank))
+        pool = [_random_pair(rng, shape, mesh) for _ in range(12)]
+        if "one" in mesh.names and rank:  # axes of size 1, which move nothing
+            pool.append((Sharding((("one",),) + ((),) * (rank - 1)), Sharding(((),) * rank, partial=("one",))))
+        src = tables.ids(rng.sample([p[0] for p in pool], rng.randint(1, len(pool))) + [p[1] for p in pool[:2]])
+        dst = tables.ids([p[1] for p in pool] + [p[0] for p in pool[:3]])
+        # The same sharding sets again on other shapes of the rank: the second finds every pair's steps known.
+        for sh in (shape, tuple(rng.choice(SIZES) for _ in range(rank)), shape[::-1]):
+            itemsize = rng.choice([2, 4])
+            got = tables.table(sh, itemsize, src, dst)
+            assert got.shape == (len(src), len(dst))
+            for a, s in enumerate(src):
+                for b, d in enumerate(dst):
+                    want = reshard_time(sh, itemsize, tables.shardings[s], tables.shardings[d], mesh)
+                    if math.isinf(want):
+                        assert got[a, b] == -1.0, (sh, tables.shardings[s], tables.shardings[d])
+                        impossible += 1
+                    else:
+                        assert got[a, b] == want, (sh, tables.shardings[s], tables.shardings[d], got[a, b], want)
+                    checked += 1
+    assert 0 < impossible < checked  # both kinds of entry are met
