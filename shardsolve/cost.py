@@ -407,10 +407,15 @@ class _StepWalk:
         self.keep_partial = tuple(dst.partial)
         self._kept = tuple(sorted(set(dst.partial)))
         self.steps: list[tuple] = []
+        self._last: Sharding | None = None  # the state made last: a step's layout after is the next one's before
 
     def state(self, partial: Sequence[str]) -> Sharding:
         all_partial = tuple(sorted(set(partial) | set(self._kept))) if partial else self._kept
-        return Sharding(tuple(self.dims), all_partial, self.src.reduce_op if all_partial else "sum")
+        dims, last = tuple(self.dims), self._last
+        if last is not None and last.dims == dims and last.partial == all_partial:
+            return last
+        self._last = Sharding(dims, all_partial, self.src.reduce_op if all_partial else "sum")
+        return self._last
 
     def uneven(self, axes: Sequence[str], d: int) -> bool:
         return _uneven(self.shape[d], axes, self.mesh)
@@ -688,6 +693,13 @@ def reshard_time_given(
     known = [k for k, s in enumerate(steps) if s.dst == present]
     rest = steps[known[-1] + 1:] if known else steps
     return sum(collective_time(s.kind, s.axes, s.bytes, mesh) for s in rest)
+
+
+def clear_reshard_caches() -> None:
+    """Forget every reshard template and memoised reshard price (for benchmarks that time them from cold)."""
+    _TEMPLATES.clear()
+    for cached in (reshard_steps, reshard_time, reshard_time_given, _parts, _uneven, _union_size):
+        cached.cache_clear()
 
 
 # -- reshard tables (the problem builder's) -------------------------------------------------
