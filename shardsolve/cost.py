@@ -706,29 +706,33 @@ def clear_reshard_caches() -> None:
 
 
 def _row_width(rank: int) -> int:
-    return 2 * rank + 8
+    return 2 * rank + 9
 
 
 # A pair's key in a ``_StepStore``: its shape class's number << 48 | source sharding id << 24 | destination id.
 _ID_MASK = (1 << 24) - 1
 _CLASS_LIMIT = 1 << 15
+# Columns of a ``_step_rows`` row after its 2 * rank shard counts.
+_PAD_DIM, _PAD_TO, _GATHERED, _MERGE, _LATENCY = range(5)
 
 
-def _step_rows(steps: tuple[StepTemplate, ...] | None, rank: int) -> list[tuple[float, ...]]:
-    """The steps of one reshard that move bytes, a row of numbers each.
+def _step_rows(steps: tuple[StepTemplate, ...] | None, rank: int,
+               merge: Callable[[StepTemplate], int]) -> list[tuple[float, ...]]:
+    """The steps of one reshard that move bytes (or may merge), a row of numbers each.
 
     A row: ``parts`` and ``parts_before`` (``rank`` each), ``pad_dim``
-    (-1: none), ``pad_to``, ``gathered``, then the ``CollectiveCost``'s
+    (-1: none), ``pad_to``, ``gathered``, the step's ``merge`` number (-1
+    for a collective XLA does not merge), then the ``CollectiveCost``'s
     latency, passes, share, group and bandwidth (every integer is exact in
     a float64). An impossible reshard (``steps`` ``None``) is one row of
     infinite latency.
     """
     if steps is None:
-        return [(0,) * (2 * rank) + (-1, 1, 0, math.inf, 1, 1, 1, 1)]
+        return [(0,) * (2 * rank) + (-1, 1, 0, -1, math.inf, 1, 1, 1, 1)]
     return [t.parts + (t.parts_before or (0,) * rank)
-            + (-1 if t.pad_dim is None else t.pad_dim, t.pad_to, t.gathered, t.price.latency, t.price.passes,
-               t.price.share, t.price.group, t.price.bandwidth)
-            for t in steps if t.price.passes]
+            + (-1 if t.pad_dim is None else t.pad_dim, t.pad_to, t.gathered, merge(t), t.price.latency,
+               t.price.passes, t.price.share, t.price.group, t.price.bandwidth)
+            for t in steps if t.price.passes or t.kind in COMBINED_KINDS]
 
 
 def _distinct_rows(a: np.ndarray, bound: int) -> tuple[np.ndarray, np.ndarray]:
@@ -751,28 +755,34 @@ def _local_elements(shape: np.ndarray, parts: np.ndarray) -> np.ndarray:
     return np.where(parts > 0, -(-shape // np.maximum(parts, 1)), shape)
 
 
+def _bytes(shape: tuple[int, ...], itemsize: int, rows: np.ndarray) -> np.ndarray:
+    """``StepTemplate.nbytes`` of each of ``rows`` (``_step_rows``) for a value of ``shape``."""
+    rank = len(shape)
+    dims = np.asarray(shape, dtype=np.int64)
+    ints = rows[:, :2 * rank + _MERGE].astype(np.int64)
+    local = _local_elements(dims, ints[:, :rank])
+    padded = np.flatnonzero(ints[:, 2 * rank + _PAD_DIM] >= 0)
+    if len(padded):
+        d, to = ints[padded, 2 * rank + _PAD_DIM], ints[padded, 2 * rank + _PAD_TO]
+        local[padded, d] = -(-local[padded, d] // to) * to
+    nbytes = itemsize * np.prod(local, axis=1)
+    gathered = ints[:, 2 * rank + _GATHERED]
+    if gathered.any():
+        held = itemsize * gathered * np.prod(_local_elements(dims, ints[:, rank:2 * rank]), axis=1)
+        nbytes = np.where(gathered > 0, np.maximum(nbytes, held), nbytes)
+    return nbytes
+
+
 def _seconds(shape: tuple[int, ...], itemsize: int, rows: np.ndarray, pair: np.ndarray, pairs: int) -> np.ndarray:
     """Seconds of each of ``pairs`` reshards of a value of ``shape``: its ``_step_rows`` ``rows`` summed by ``pair``.
 
     ``StepTemplate.time`` in numpy, operation for operation, and the steps
     added in their order, so every sum is ``reshard_time``'s float.
     """
-    rank = len(shape)
     if not len(rows):
         return np.zeros(pairs)
-    dims = np.asarray(shape, dtype=np.int64)
-    ints = rows[:, :2 * rank + 3].astype(np.int64)
-    local = _local_elements(dims, ints[:, :rank])
-    padded = np.flatnonzero(ints[:, 2 * rank] >= 0)
-    if len(padded):
-        d, to = ints[padded, 2 * rank], ints[padded, 2 * rank + 1]
-        local[padded, d] = -(-local[padded, d] // to) * to
-    nbytes = itemsize * np.prod(local, axis=1)
-    gathered = ints[:, 2 * rank + 2]
-    if gathered.any():
-        held = itemsize * gathered * np.prod(_local_elements(dims, ints[:, rank:2 * rank]), axis=1)
-        nbytes = np.where(gathered > 0, np.maximum(nbytes, held), nbytes)
-    latency, passes, share, group, bandwidth = rows[:, 2 * rank + 3:].T
+    nbytes = _bytes(shape, itemsize, rows)
+    latency, passes, share, group, bandwidth = rows[:, 2 * len(shape) + _LATENCY:].T
     t = np.where((nbytes > 0) | np.isinf(latency), latency + passes * nbytes * share / group / bandwidth, 0.0)
     return np.bincount(pair, weights=t, minlength=pairs)
 
@@ -873,6 +883,13 @@ class ReshardTables:
         self._masks: list[tuple[int, ...]] = []  # per sharding id and dimension: its axes as bits of mesh.axes
         # (id of a template, rank) -> (it, its number in the rank's store); it is held, so no other object takes its id
         self._numbers: dict[tuple[int, int], tuple[Any, int]] = {}
+        self._merge_keys: dict[tuple, int] = {}  # mergeable_latency's keys, numbered for ``_step_rows``
+
+    def _merge_number(self, step: StepTemplate) -> int:
+        """The number of ``step``'s ``mergeable_latency`` key, -1 for a collective XLA does not merge."""
+        if step.kind not in COMBINED_KINDS:
+            return -1
+        return self._merge_keys.setdefault((step.kind, step.axes, step.src.reduce_op), len(self._merge_keys))
 
     def ids(self, shardings: Sequence[Sharding]) -> np.ndarray:
         out = np.empty(len(shardings), dtype=np.int64)
@@ -936,7 +953,7 @@ class ReshardTables:
             # (by the steps' identity: an impossible or empty reshard's are shared by many pairs)
             known = numbers.get((id(steps), rank))
             if known is None:
-                more = _step_rows(steps, rank)
+                more = _step_rows(steps, rank, self._merge_number)
                 known = numbers[id(steps), rank] = (steps, store.templates + len(counts))
                 rows += more
                 counts.append(len(more))
@@ -979,17 +996,20 @@ class ReshardTables:
         key = (shape, itemsize, su.tobytes(), du.tobytes())
         small = self._merged.get(key)
         if small is None:
-            shardings, mesh = self.shardings, self.mesh
+            # The rows of merged collectives that move bytes, summed per key and pair in order, keys in the order
+            # the pairs and their steps first meet them.
+            rows, pair = self._pair_steps(shape, su, du)
+            column = 2 * len(shape)
+            merge = rows[:, column + _MERGE].astype(np.int64)
+            at = np.flatnonzero(merge >= 0)
+            at = at[_bytes(shape, itemsize, rows[at]) > 0]
+            numbers, first = np.unique(merge[at], return_index=True)
+            keys = {n: k for k, n in self._merge_keys.items()}
             small = self._merged[key] = {}
-            for a, s in enumerate(su):
-                for b, d in enumerate(du):
-                    for step in reshard_steps(shape, itemsize, shardings[s], shardings[d], mesh) or ():
-                        if step.kind in COMBINED_KINDS and step.is_collective:
-                            c = collective_cost(step.kind, step.axes, mesh)
-                            k = (step.kind, step.axes, step.src.reduce_op)
-                            if k not in small:
-                                small[k] = np.zeros((len(su), len(du)), dtype=np.float64)
-                            small[k][a, b] += c.latency
+            for n in numbers[np.argsort(first)].tolist():
+                these = at[merge[at] == n]
+                small[keys[n]] = np.bincount(pair[these], weights=rows[these, column + _LATENCY],
+                                             minlength=len(su) * len(du)).reshape(len(su), len(du))
         out = self._merged_full[full_key] = {k: t[np.ix_(si, di)] for k, t in small.items()}
         for t in out.values():
             t.flags.writeable = False

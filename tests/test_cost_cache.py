@@ -5,9 +5,10 @@ from __future__ import annotations
 import math
 import random
 
+import numpy as np
 import pytest
 
-from shardsolve.cost import ReshardTables, collective_time, reshard_steps, reshard_steps_uncached, reshard_time
+from shardsolve.cost import COMBINED_KINDS, ReshardTables, collective_cost, collective_time, reshard_steps, reshard_steps_uncached, reshard_time
 from shardsolve.mesh import MeshSpec
 from shardsolve.sharding import Sharding, candidate_shardings
 
@@ -58,7 +59,7 @@ def test_tables_equal_reshard_time_to_the_bit(mesh):
     """``ReshardTables`` prices whole tables in numpy: every entry is ``reshard_time``'s float, or ``impossible``."""
     rng = random.Random(f"tables {mesh}")
     tables = ReshardTables(mesh, impossible=-1.0)
-    checked = impossible = 0
+    checked = impossible = merges = 0
     for _ in range(60):
         rank = rng.choice([0, 1, 2, 3])
         shape = tuple(rng.choice(SIZES) for _ in range(rank))
@@ -72,6 +73,11 @@ def test_tables_equal_reshard_time_to_the_bit(mesh):
             itemsize = rng.choice([2, 4])
             got = tables.table(sh, itemsize, src, dst)
             assert got.shape == (len(src), len(dst))
+            merged = tables.mergeable_latency(sh, itemsize, src, dst)
+            want_merged = _merged_latency(tables, sh, itemsize, src, dst)
+            assert list(merged) == list(want_merged)  # the same keys, in the same order
+            assert all(np.array_equal(merged[k], want_merged[k]) for k in merged)
+            merges += len(merged)
             for a, s in enumerate(src):
                 for b, d in enumerate(dst):
                     want = reshard_time(sh, itemsize, tables.shardings[s], tables.shardings[d], mesh)
@@ -81,4 +87,19 @@ def test_tables_equal_reshard_time_to_the_bit(mesh):
                     else:
                         assert got[a, b] == want, (sh, tables.shardings[s], tables.shardings[d], got[a, b], want)
                     checked += 1
-    assert 0 < impossible < checked  # both kinds of entry are met
+    assert 0 < impossible < checked and merges  # both kinds of entry are met, and mergeable all-reduces
+
+
+def _merged_latency(tables, shape, itemsize, src, dst) -> dict:
+    """``ReshardTables.mergeable_latency`` worked out pair by pair (distinct ids in order) and step by step."""
+    su, si = np.unique(src, return_inverse=True)
+    du, di = np.unique(dst, return_inverse=True)
+    out: dict = {}
+    for a, s in enumerate(su):
+        for b, d in enumerate(du):
+            for step in reshard_steps(shape, itemsize, tables.shardings[s], tables.shardings[d], tables.mesh) or ():
+                if step.kind in COMBINED_KINDS and step.is_collective:
+                    k = (step.kind, step.axes, step.src.reduce_op)
+                    out.setdefault(k, np.zeros((len(su), len(du))))[a, b] += collective_cost(
+                        step.kind, step.axes, tables.mesh).latency
+    return {k: t[np.ix_(si, di)] for k, t in out.items()}
