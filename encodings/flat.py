@@ -90,7 +90,7 @@ class Flat:
 class EdgeReads:
     """Index arrays that read edge tables at the neighbours' strategies (see ``edge_reads``)."""
 
-    table: np.ndarray  # every edge's table, raveled and concatenated in edge order
+    table: np.ndarray  # every edge's table, raveled and concatenated in edge order (empty where ``held``)
     start: np.ndarray  # where each edge's table starts in ``table``
     u_target: np.ndarray  # u side: entry (edge k, row a) adds table_k[a, x_v] to strategy slot u_target
     u_base: np.ndarray
@@ -99,26 +99,43 @@ class EdgeReads:
     v_base: np.ndarray
     v_other: np.ndarray
     v_stride: np.ndarray
+    # Without ``table``: the read edges' own tables and their ends, read a column and a row each per ``add``.
+    held: tuple | None = None
 
     def add(self, out: np.ndarray, x: np.ndarray) -> np.ndarray:
         """``out`` (one entry per strategy slot) plus every read edge's entries towards the strategies ``x``."""
-        if len(self.u_target):
-            out += np.bincount(self.u_target, self.table[self.u_base + x[self.u_other]], minlength=len(out))
-            out += np.bincount(self.v_target, self.table[self.v_base + x[self.v_other] * self.v_stride],
-                               minlength=len(out))
+        if not len(self.u_target):
+            return out
+        if self.held is None:
+            u_side = self.table[self.u_base + x[self.u_other]]
+            v_side = self.table[self.v_base + x[self.v_other] * self.v_stride]
+        else:  # the same entries, in the same order
+            tables, us, vs = self.held
+            u_side = np.concatenate([t[:, xv] for t, xv in zip(tables, x[vs].tolist())])
+            v_side = np.concatenate([t[xu, :] for t, xu in zip(tables, x[us].tolist())])
+        out += np.bincount(self.u_target, u_side, minlength=len(out))
+        out += np.bincount(self.v_target, v_side, minlength=len(out))
         return out
 
 
 def edge_reads(eu: np.ndarray, ev: np.ndarray, sizes: np.ndarray, offsets: np.ndarray,
-               tables, edges: np.ndarray | None = None) -> EdgeReads:
+               tables, edges: np.ndarray | None = None, copy: bool = True) -> EdgeReads:
     """The reads of the edges ``edges`` (all where None) of a problem whose node ``i`` has ``sizes[i]``
     strategies in slots from ``offsets[i]``: two ``bincount`` calls then give every strategy's edge cost
-    towards its neighbours' current strategies (``EdgeReads.add``)."""
+    towards its neighbours' current strategies (``EdgeReads.add``).
+
+    With ``copy`` the tables are copied into one flat array, read by index arrays (for callers that read
+    them many times, and at entries of their own: ``EdgeReads.table``); without, each ``add`` reads a
+    column and a row of each edge's own table (a planner's problem on a three-axis mesh holds 10^8 or
+    more entries, and copying them took seconds of a call that reads them a few times)."""
     eu, ev = eu.astype(np.int64), ev.astype(np.int64)
     su, sv = sizes[eu], sizes[ev]
-    toff = np.concatenate([[0], np.cumsum(su * sv)[:-1]]).astype(np.int64)
-    table = np.concatenate([t.ravel() for t in tables]) if len(tables) else np.zeros(0)
     edges = np.arange(len(eu)) if edges is None else edges
+    if copy:
+        toff = np.concatenate([[0], np.cumsum(su * sv)[:-1]]).astype(np.int64)
+        table = np.concatenate([t.ravel() for t in tables]) if len(tables) else np.zeros(0)
+    else:
+        toff, table = np.zeros(len(eu), dtype=np.int64), np.zeros(0)
     if not len(edges):
         none = np.zeros(0, dtype=np.int64)
         return EdgeReads(table, toff, none, none, none, none, none, none, none)
@@ -126,8 +143,9 @@ def edge_reads(eu: np.ndarray, ev: np.ndarray, sizes: np.ndarray, offsets: np.nd
     a = np.arange(len(k_u)) - np.repeat(np.concatenate([[0], np.cumsum(su[edges])[:-1]]), su[edges])
     k_v = np.repeat(edges, sv[edges])
     b = np.arange(len(k_v)) - np.repeat(np.concatenate([[0], np.cumsum(sv[edges])[:-1]]), sv[edges])
+    held = None if copy else (tuple(np.asarray(tables[k]) for k in edges.tolist()), eu[edges], ev[edges])
     return EdgeReads(table, toff, offsets[eu][k_u] + a, toff[k_u] + a * sv[k_u], ev[k_u],
-                     offsets[ev][k_v] + b, toff[k_v] + b, eu[k_v], sv[k_v])
+                     offsets[ev][k_v] + b, toff[k_v] + b, eu[k_v], sv[k_v], held)
 
 
 def _finite(costs: np.ndarray) -> np.ndarray:

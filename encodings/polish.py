@@ -118,7 +118,7 @@ def polish_usage(problem: Problem, assignment) -> tuple[tuple[int, ...], int]:
         internal = np.bincount(np.concatenate(diag_slot), weights=np.concatenate(diag_cost), minlength=n_uslots)
     # Edges leaving a unit: row a of u's side reads T[a, x_v]; column b of v's side reads T[x_u, b] (``edge_reads``).
     out = np.flatnonzero(~inside)
-    leaving = edge_reads(eu, ev, sizes, offsets, tables, out)
+    leaving = edge_reads(eu, ev, sizes, offsets, tables, out, copy=False)
     out_uu, out_uv = unit_id[eu[out]], unit_id[ev[out]]
     uusage = np.bincount(slot_unit, weights=usages, minlength=n_uslots)
     slot_owner = np.repeat(np.arange(len(roots)), usize)

@@ -82,3 +82,26 @@ def test_a_plan_keeps_no_buffer_its_time_does_not_need():
     plan = shardsolve.plan(f, x, i, mesh="x=8", in_shardings=(P("x"), P("x")), out_shardings=P("x"))
     whole = 64 * 512 * 4
     assert plan.cost.peak_memory < whole  # the zero buffer is made split, never whole
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(0, 2**31 - 1))
+def test_edge_reads_without_the_copied_tables_read_the_same_entries(seed):
+    """``edge_reads(copy=False)`` (polish's: each edge's own table, a column and a row per read) adds the same
+    floats as reading the tables copied into one array, in the same order."""
+    from shardsolve.encodings.flat import edge_reads
+
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(2, 9))
+    sizes = rng.integers(1, 6, n)
+    offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+    m = int(rng.integers(1, 14))
+    eu, ev = rng.integers(0, n, m), rng.integers(0, n, m)
+    tables = [rng.standard_normal((sizes[u], sizes[v])) * 10.0 ** rng.integers(-6, 6) for u, v in zip(eu, ev)]
+    edges = np.flatnonzero(rng.random(m) < 0.7)
+    copied = edge_reads(eu, ev, sizes, offsets, tables, edges)
+    held = edge_reads(eu, ev, sizes, offsets, tables, edges, copy=False)
+    for _ in range(3):
+        x = np.array([rng.integers(0, s) for s in sizes])
+        base = rng.standard_normal(int(sizes.sum()))
+        assert np.array_equal(copied.add(base.copy(), x), held.add(base.copy(), x))
