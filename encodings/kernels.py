@@ -73,15 +73,18 @@ def _csr(rows: list[list[tuple[int, int, int]]]) -> tuple[np.ndarray, np.ndarray
     return ptr, items
 
 
-def pack(costs: list[np.ndarray], tables: list[np.ndarray], eu, ev, adj, gamma: np.ndarray) -> Packed:
+def pack(costs: list[np.ndarray], tables: list[np.ndarray], eu, ev, adj, gamma: np.ndarray,
+         flat_tables: np.ndarray | None = None) -> Packed:
     """``Packed`` of finite ``costs`` and ``tables`` (``bounds.finite_parts``), edges ``eu``/``ev``, the
-    adjacency ``adj`` (per node: (edge, neighbour, node is the edge's u), as ``Flat.adj``) and ``gamma``."""
+    adjacency ``adj`` (per node: (edge, neighbour, node is the edge's u), as ``Flat.adj``) and ``gamma``.
+    ``flat_tables``: the tables already raveled one after another into one float64 array (not copied)."""
     n = len(costs)
     noff = _offsets([len(c) for c in costs])
     flat_costs = np.concatenate(costs).astype(np.float64) if n else np.zeros(0)
     toff = _offsets([t.size for t in tables])
-    flat_tables = (np.concatenate([np.ascontiguousarray(t, dtype=np.float64).ravel() for t in tables])
-                   if tables else np.zeros(0))
+    if flat_tables is None:
+        flat_tables = (np.concatenate([np.ascontiguousarray(t, dtype=np.float64).ravel() for t in tables])
+                       if tables else np.zeros(0))
     eu = np.asarray(eu, dtype=np.int64)
     ev = np.asarray(ev, dtype=np.int64)
     uoff = _offsets([t.shape[0] for t in tables])
