@@ -30,10 +30,11 @@ from pathlib import Path
 
 import numpy as np
 from rich.console import Console
-from rich.table import Table
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "experiments" / "results" / "reshard_tables.md"
+sys.path.insert(0, str(ROOT / "experiments"))
+from report import report  # noqa: E402
 
 
 def requests(name: str, mesh: str, size: str) -> list[tuple]:
@@ -144,20 +145,11 @@ def main(argv: list[str] | None = None) -> int:
     cells = [[r["model"], r["mesh"], f"{r['tables']:,}", f"{r['distinct']:,}", f"{r['pairs']:,}",
               f"{r['per pair']:.2f}", f"{r['numpy']:.2f}", f"{r['per pair'] / r['numpy']:.2f}x",
               "yes" if r["equal"] else "NO"] for r in rows]
-    table = Table(*cols, title="Reshard tables: numpy against one reshard_time call a pair")
-    for c in cells:
-        table.add_row(*c)
-    console.print(table)
-    load = os.getloadavg()
-    RESULTS.write_text(
-        "# Reshard tables\n\n"
-        f"`python experiments/reshard_tables.py {' '.join(argv if argv is not None else sys.argv[1:])}`".replace(" `", "`")
-        + f" in one run on this machine (load average {load[0]:.1f} at the end). Every table the problem builder "
-        f"asks for, answered from cold caches by both forms, alternating; the fastest of {args.repeats} runs each. "
-        "`per pair`: one `reshard_time` call for each distinct pair of a table, the form `ReshardTables.table` "
-        "replaced.\n\n"
-        + "| " + " | ".join(cols) + " |\n|" + "---|" * len(cols) + "\n"
-        + "".join("| " + " | ".join(c) + " |\n" for c in cells))
+    report(console, RESULTS, "Reshard tables", "reshard_tables.py", argv,
+           "Every table the problem builder asks for, answered from cold caches by both forms, alternating; the "
+           f"fastest of {args.repeats} runs each. `per pair`: one `reshard_time` call for each distinct pair of a "
+           "table, the form `ReshardTables.table` replaced.", "Reshard tables: numpy against one reshard_time call "
+           "a pair", cols, cells)
     return 0 if all(r["equal"] for r in rows) else 1
 
 

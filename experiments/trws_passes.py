@@ -22,11 +22,12 @@ from pathlib import Path
 import numpy as np
 from numba import njit
 from rich.console import Console
-from rich.table import Table
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT.parent / "shared" / "iopddl"
 RESULTS = ROOT / "experiments" / "results" / "trws_passes.md"
+sys.path.insert(0, str(ROOT / "experiments"))
+from report import report  # noqa: E402
 _I, _F, _I2 = "int64[::1]", "float64[::1]", "int64[:, ::1]"
 
 
@@ -183,18 +184,9 @@ def main(argv: list[str] | None = None) -> int:
     cells = [[r["problem"], f"{r['nodes']:,}", f"{r['edges']:,}", f"{r['entries']:,}", str(r["passes"]),
               f"{r['view_ms']:.3f}", f"{r['offset_ms']:.3f}", f"{r['speedup']:.2f}x", f"{r['ns_entry']:.2f}",
               f"{r['charge']:.2f}x", "yes" if r["equal"] else "NO"] for r in rows]
-    table = Table(*cols, title="TRW-S passes: rows read through views against offsets")
-    for c in cells:
-        table.add_row(*c)
-    console.print(table)
-    load = os.getloadavg()
-    RESULTS.write_text(
-        "# TRW-S passes\n\n"
-        f"`python experiments/trws_passes.py {' '.join(argv if argv is not None else sys.argv[1:])}`".replace(" `", "`")
-        + f" in one run on this machine (load average {load[0]:.1f} at the end). Both passes run alternately on "
-        "the same packed arrays from zero messages; `offset` is the form `encodings/kernels.py` replaced.\n\n"
-        + "| " + " | ".join(cols) + " |\n|" + "---|" * len(cols) + "\n"
-        + "".join("| " + " | ".join(c) + " |\n" for c in cells))
+    report(console, RESULTS, "TRW-S passes", "trws_passes.py", argv,
+           "Both passes run alternately on the same packed arrays from zero messages; `offset` is the form "
+           "`encodings/kernels.py` replaced.", "TRW-S passes: rows read through views against offsets", cols, cells)
     return 0 if all(r["equal"] for r in rows) else 1
 
 
