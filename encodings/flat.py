@@ -90,8 +90,8 @@ class Flat:
 class EdgeReads:
     """Index arrays that read edge tables at the neighbours' strategies (see ``edge_reads``)."""
 
-    table: np.ndarray  # every edge's table, raveled and concatenated in edge order (empty where ``held``)
-    start: np.ndarray  # where each edge's table starts in ``table``
+    table: np.ndarray  # every edge's table, raveled and concatenated in edge order (empty with ``own``)
+    start: np.ndarray  # where each edge's table starts in ``table`` (zeros with ``own``)
     u_target: np.ndarray  # u side: entry (edge k, row a) adds table_k[a, x_v] to strategy slot u_target
     u_base: np.ndarray
     u_other: np.ndarray
@@ -100,17 +100,17 @@ class EdgeReads:
     v_other: np.ndarray
     v_stride: np.ndarray
     # Without ``table``: the read edges' own tables and their ends, read a column and a row each per ``add``.
-    held: tuple | None = None
+    own: tuple | None = None
 
     def add(self, out: np.ndarray, x: np.ndarray) -> np.ndarray:
         """``out`` (one entry per strategy slot) plus every read edge's entries towards the strategies ``x``."""
         if not len(self.u_target):
             return out
-        if self.held is None:
+        if self.own is None:
             u_side = self.table[self.u_base + x[self.u_other]]
             v_side = self.table[self.v_base + x[self.v_other] * self.v_stride]
         else:  # the same entries, in the same order
-            tables, us, vs = self.held
+            tables, us, vs = self.own
             u_side = np.concatenate([t[:, xv] for t, xv in zip(tables, x[vs].tolist())])
             v_side = np.concatenate([t[xu, :] for t, xu in zip(tables, x[us].tolist())])
         out += np.bincount(self.u_target, u_side, minlength=len(out))
@@ -143,9 +143,9 @@ def edge_reads(eu: np.ndarray, ev: np.ndarray, sizes: np.ndarray, offsets: np.nd
     a = np.arange(len(k_u)) - np.repeat(np.concatenate([[0], np.cumsum(su[edges])[:-1]]), su[edges])
     k_v = np.repeat(edges, sv[edges])
     b = np.arange(len(k_v)) - np.repeat(np.concatenate([[0], np.cumsum(sv[edges])[:-1]]), sv[edges])
-    held = None if copy else (tuple(np.asarray(tables[k]) for k in edges.tolist()), eu[edges], ev[edges])
+    own = None if copy else (tuple(np.asarray(tables[k]) for k in edges.tolist()), eu[edges], ev[edges])
     return EdgeReads(table, toff, offsets[eu][k_u] + a, toff[k_u] + a * sv[k_u], ev[k_u],
-                     offsets[ev][k_v] + b, toff[k_v] + b, eu[k_v], sv[k_v], held)
+                     offsets[ev][k_v] + b, toff[k_v] + b, eu[k_v], sv[k_v], own)
 
 
 def _finite(costs: np.ndarray) -> np.ndarray:

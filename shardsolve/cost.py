@@ -860,13 +860,14 @@ class ReshardTables:
 
     A table is priced in numpy, equal to the bit to ``reshard_time`` of
     each pair: every pair's template (``_template``) is kept as rows of
-    numbers, one per step that moves bytes (``_step_rows``, in a
-    ``_StepStore`` per rank), found for all the table's pairs at once by
+    numbers, one per step that moves bytes or may merge (``_step_rows``, in
+    a ``_StepStore`` per rank), found for all the table's pairs at once by
     their sharding ids and shape class (``_pair_steps``), and the rows'
     bytes and seconds are computed and summed per pair at once
-    (``_seconds``). A three-axis mesh asks for some two million pairs
-    (Llama large on 2x2x2): priced one by one with ``reshard_time``, the
-    tables took 10.5 s of its problem building.
+    (``_seconds``); ``mergeable_latency`` reads the same rows. A three-axis
+    mesh asks for some two million pairs (Llama large on 2x2x2): priced one
+    by one with ``reshard_time``, the tables took 10.5 s of its problem
+    building.
     """
 
     def __init__(self, mesh: MeshSpec, impossible: float = math.inf):
