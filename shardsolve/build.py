@@ -551,6 +551,10 @@ HAND_LAID_OUT = frozenset({"shard_map"})
 #: Llama large on 2x2x2 lost its way (72.3 ms with a 32% gap at 30 s, against 55.5 ms and 4.4% without them);
 #: two-axis meshes have at most 47.
 HUB_MAX_LAYOUTS = 64
+# The most strategies a node may have: its tables with a neighbour of as many hold 8192^2 entries (512 MiB). Every
+# bundled model's largest on a mesh of three axes has 285 to 727; GPT-2 small on four axes of 2 has 4,066 (a
+# 220-s build); on six axes one op has 117,035, whose table with itself alone would take 102 GiB.
+MAX_STRATEGIES = 8192
 
 
 class _Capped:
@@ -647,6 +651,11 @@ class ProblemBuilder:
     # -- nodes and edges ---------------------------------------------------------------
 
     def add(self, node: Node, info: NodeInfo) -> int:
+        if len(node.costs) > MAX_STRATEGIES:
+            raise ShardsolveError(
+                f"{node.name}: {len(node.costs):,} sharding strategies on mesh {self.mesh} (at most {MAX_STRATEGIES:,} "
+                "can be planned: a reshard table holds one entry per pair of strategies); plan on a mesh of fewer "
+                "axes, merging axes that play the same part (three axes plan in seconds)")
         self.nodes.append(node)
         self.infos.append(info)
         return len(self.nodes) - 1

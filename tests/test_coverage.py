@@ -308,3 +308,13 @@ def test_a_scan_body_is_rewritten_as_the_program_is():
     assert plan.fallbacks == ()
     outcome = check_lowering(plan, (x, w))
     assert outcome.numerics_ok and outcome.collectives_ok, (outcome.max_rel, outcome.predicted, outcome.lowered)
+
+
+def test_too_many_strategies_for_a_node_are_refused_in_one_line():
+    """On a mesh of many axes a value's layouts multiply (six axes of 2 over three dimensions: tens of thousands),
+    and a reshard table holds one entry per pair: refused by name, with the way out, before any table is made."""
+    x = jax.ShapeDtypeStruct((64, 64, 64), jnp.float32)
+    with pytest.raises(shardsolve.ShardsolveError, match=r"sharding strategies on mesh a=2,b=2,c=2,d=2,e=2,f=2 "
+                                                         r"\(at most 8,192 can be planned") as info:
+        shardsolve.plan(lambda x: jnp.tanh(x) * 2.0, x, mesh="a=2,b=2,c=2,d=2,e=2,f=2")
+    assert "plan on a mesh of fewer axes" in str(info.value) and "\n" not in str(info.value)
