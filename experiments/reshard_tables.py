@@ -1,7 +1,7 @@
 """Time the problem builder's reshard tables priced in numpy against pricing each pair with ``reshard_time``, side by side.
 
     python experiments/reshard_tables.py                          # Llama, GPT-2 and the CNN, large, on 2x2x2
-    python experiments/reshard_tables.py --models gpt2 --meshes data=2,model=4,data=2,fsdp=2,model=2
+    python experiments/reshard_tables.py --models gpt2 --meshes "data=2,model=4;data=2,fsdp=2,model=2"
 
 Each model is traced and its problem built once, recording every table the builder asks
 ``ReshardTables.table`` for (a value's shape and element size, the source and destination shardings).
