@@ -73,8 +73,8 @@ class PricedTRWS:
 
     def __init__(self, flat: Flat):
         self.flat = flat
-        costs, self.tables = bounds.finite_parts(flat)
-        self.packed = kernels.pack(costs, self.tables, flat.eu, flat.ev, flat.adj, bounds.trws_gamma(flat))
+        setup = bounds.TrwsSetup.of(flat)  # (its packed costs are a copy of their own, priced in place below)
+        self.tables, self.packed = setup.tables, setup.packed
         self.base = self.packed.costs.copy()
         self.sizes = np.diff(self.packed.noff)
         self.usage = (np.concatenate([np.asarray(u, dtype=np.float64) for u in flat.usages])
